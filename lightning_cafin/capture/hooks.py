@@ -1,0 +1,125 @@
+"""Factor capture: one forward hook per supported module plus a tensor hook on its output.
+
+A forward hook sees the module's input; the gradient of the loss with respect to the
+module's *output* is caught by a hook registered on that output tensor.  Unlike a full
+backward hook this survives in-place operations that follow the module
+(``ReLU(inplace=True)``, ``out += identity``): a tensor hook registered before an
+in-place change receives the gradient of the value it was registered on.
+
+Every module holds at most one hook, whatever number of optimizers bind it: the hook
+looks its current owner up in a weak registry, so binding again, or binding a second
+optimizer, replaces the owner instead of stacking hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .layers import LayerRule
+
+
+@dataclass
+class PendingStats:
+    """Partial sums gathered since the last optimizer step (all micro-batches together)."""
+
+    h: Optional[Tensor] = None
+    hn: float = 0.0
+    s: Optional[Tensor] = None
+    sn: float = 0.0
+    calls: int = 0
+
+    def add(self, h: Tensor, hn: float, s: Tensor, sn: float) -> bool:
+        """Add one forward/backward pair; refuse one whose shape differs from the others."""
+        if self.h is not None and (self.h.shape != h.shape or self.s.shape != s.shape):
+            return False
+        self.h = h if self.h is None else self.h + h
+        self.s = s if self.s is None else self.s + s
+        self.hn += hn
+        self.sn += sn
+        self.calls += 1
+        return True
+
+
+@dataclass(eq=False)
+class LayerCapture:
+    """One supported module bound to one optimizer: its factors and pending statistics."""
+
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    is_capturing: Callable[[], bool]
+    S: Optional[Tensor] = None
+    H: Optional[Tensor] = None
+    pending: PendingStats = field(default_factory=PendingStats)
+    refused: int = 0  # forward/backward pairs dropped because their shape changed
+
+    def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
+        if not self.pending.add(h, hn, s, sn):
+            self.refused += 1
+
+    def take_pending(self) -> PendingStats:
+        pending, self.pending = self.pending, PendingStats()
+        return pending
+
+
+class _Slot:
+    __slots__ = ("handle", "owner")
+
+    def __init__(self, handle: RemovableHandle, owner: LayerCapture):
+        self.handle = handle
+        self.owner = weakref.ref(owner)
+
+
+_SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
+
+
+def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    slot = _SLOTS.get(module)
+    capture = slot.owner() if slot is not None else None
+    if capture is None or not module.training or not torch.is_grad_enabled():
+        return
+    if not isinstance(output, Tensor) or not output.requires_grad or not capture.is_capturing():
+        return
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor):
+        return
+    with torch.no_grad():
+        h, hn = capture.rule.input_partial(module, x.detach())
+
+    def on_output_grad(grad: Tensor) -> None:
+        with torch.no_grad():
+            s, sn = capture.rule.output_partial(module, grad)
+        capture.commit(h, hn, s, sn)
+
+    output.register_hook(on_output_grad)
+
+
+def attach(capture: LayerCapture) -> Optional[LayerCapture]:
+    """Make ``capture`` the owner of its module's hook; return the previous live owner."""
+    slot = _SLOTS.get(capture.module)
+    if slot is None:
+        handle = capture.module.register_forward_hook(_forward_hook, with_kwargs=True)
+        _SLOTS[capture.module] = _Slot(handle, capture)
+        return None
+    previous = slot.owner()
+    slot.owner = weakref.ref(capture)
+    return previous if previous is not capture else None
+
+
+def detach(capture: LayerCapture) -> None:
+    """Remove the module's hook if ``capture`` still owns it."""
+    slot = _SLOTS.get(capture.module)
+    if slot is not None and slot.owner() is capture:
+        slot.handle.remove()
+        del _SLOTS[capture.module]
+
+
+def hook_count(module: nn.Module) -> int:
+    """How many capture hooks this package holds on ``module`` (0 or 1); for tests and health."""
+    return sum(1 for hook in module._forward_hooks.values() if hook is _forward_hook)

@@ -1,0 +1,214 @@
+"""Which modules AdaFisher preconditions, and how each turns a forward/backward into statistics.
+
+Each rule produces *partial sums* that are linear in the batch (sums over samples,
+plus the count that divides them), so the statistics of several micro-batches, or of
+several ranks, combine by plain addition and give exactly the statistics of the whole
+batch.  ``finalize`` turns the combined sums into the spec's raw vectors ``H_raw`` and
+``S_raw`` (ADAFISHER_SPEC.md, "Supported modules and their two factor vectors").
+
+All statistics are accumulated in float32 (float64 for float64 inputs) whatever the
+activation dtype, so float16 sums of squares cannot overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .._conv import conv_output_hw, pad_like_conv
+
+
+def stat_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64; everything else (fp16, bf16, fp32) is summed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one of a module's parameters reads its F: ``H[col_offset : col_offset + ncols]``."""
+
+    role: str  # "weight" or "bias"
+    col_offset: int
+    ncols: int
+
+
+class LayerRule(ABC):
+    """The statistics of one supported module type."""
+
+    kind: str
+    #: ``S`` partial sums scale with this power of a loss scale (squared sums: 2).
+    s_scale_power: int = 2
+
+    @abstractmethod
+    def supports(self, module: nn.Module) -> bool: ...
+
+    @abstractmethod
+    def slots(self, module: nn.Module) -> list[ParamSlot]:
+        """The columns each of the module's parameters uses, in ``H`` order."""
+
+    @abstractmethod
+    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
+        """(sum vector, count) of the activation side for one forward call."""
+
+    @abstractmethod
+    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
+        """(sum vector, count) of the output-gradient side for one backward call."""
+
+    @abstractmethod
+    def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
+        """Combined partial sums -> (H_raw, S_raw)."""
+
+
+class LinearRule(LayerRule):
+    kind = "linear"
+
+    def supports(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def slots(self, module: nn.Module) -> list[ParamSlot]:
+        out = [ParamSlot("weight", 0, module.in_features)]
+        if module.bias is not None:
+            out.append(ParamSlot("bias", module.in_features, 1))
+        return out
+
+    def input_partial(self, module, x):
+        x = x.reshape(-1, x.shape[-1]).to(stat_dtype(x))
+        return x.square().sum(0), float(x.shape[0])
+
+    def output_partial(self, module, s):
+        s = s.reshape(-1, s.shape[-1]).to(stat_dtype(s))
+        return s.square().sum(0), float(s.shape[0])
+
+    def finalize(self, module, h, hn, s, sn):
+        H = h / hn
+        if module.bias is not None:
+            H = torch.cat([H, H.new_ones(1)])
+        return H, s / sn
+
+
+class Conv2dRule(LayerRule):
+    """Conv2d: ``H`` from window sums of ``x^2`` over the batch, with no im2col tensor.
+
+    ``H_raw[(c, ki, kj)]`` is the sum, over the batch, the groups and every output
+    position, of the squared padded input under kernel tap ``(ki, kj)`` of channel ``c``
+    within its group.  Summing ``x^2`` over the batch and the groups first leaves a
+    ``(C/g, H, W)`` map; each tap is then one strided slice sum of that map.
+    """
+
+    kind = "conv2d"
+
+    def supports(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Conv2d)
+
+    @staticmethod
+    def _k(module: nn.Conv2d) -> int:
+        return (module.in_channels // module.groups) * module.kernel_size[0] * module.kernel_size[1]
+
+    def slots(self, module: nn.Module) -> list[ParamSlot]:
+        K = self._k(module)
+        out = [ParamSlot("weight", 0, K)]
+        if module.bias is not None:
+            out.append(ParamSlot("bias", K, 1))
+        return out
+
+    def input_partial(self, module, x):
+        if x.dim() == 3:  # unbatched input
+            x = x.unsqueeze(0)
+        B = x.shape[0]
+        Ho, Wo = conv_output_hw(module, tuple(x.shape[-2:]))
+        x = pad_like_conv(module, x.to(stat_dtype(x)))
+        g, (kh, kw) = module.groups, module.kernel_size
+        (dh, dw), (sh, sw) = module.dilation, module.stride
+        sq = x.square().sum(0)  # (C, Hp, Wp)
+        sq = sq.reshape(g, -1, *sq.shape[-2:]).sum(0)  # pool the groups: (C/g, Hp, Wp)
+        taps = [
+            sq[:, ki * dh : ki * dh + (Ho - 1) * sh + 1 : sh, kj * dw : kj * dw + (Wo - 1) * sw + 1 : sw].sum((1, 2))
+            for ki in range(kh)
+            for kj in range(kw)
+        ]
+        h = torch.stack(taps, dim=1).reshape(-1)  # (c, ki, kj) order, as the weight
+        return h, float(B * Ho * Wo * self._k(module))
+
+    def output_partial(self, module, s):
+        if s.dim() == 3:
+            s = s.unsqueeze(0)
+        s = s.to(stat_dtype(s))
+        return s.square().sum((0, 2, 3)), float(s.shape[0] * s.shape[2] * s.shape[3])
+
+    def finalize(self, module, h, hn, s, sn):
+        H = h / hn
+        if module.bias is not None:
+            # The ones column of the patch matrix: (B * g * L) / (B * L * K).
+            H = torch.cat([H, H.new_full((1,), module.groups / self._k(module))])
+        return H, s / sn
+
+
+class _TwoColumnRule(LayerRule):
+    """BatchNorm2d and LayerNorm: ``H`` has exactly two entries (weight, bias)."""
+
+    s_scale_power = 1  # S sums the gradient itself and squares after combining
+
+    def slots(self, module: nn.Module) -> list[ParamSlot]:
+        out = []
+        if module.weight is not None:
+            out.append(ParamSlot("weight", 0, 1))
+        if module.bias is not None:
+            out.append(ParamSlot("bias", 1, 1))
+        return out
+
+    def finalize(self, module, h, hn, s, sn):
+        H = torch.stack([h.square().sum() / hn**2, h.new_tensor(h.numel() / hn**2)])
+        return H, s.square() / sn
+
+
+class BatchNorm2dRule(_TwoColumnRule):
+    kind = "batchnorm2d"
+
+    def supports(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.BatchNorm2d) and module.affine
+
+    def input_partial(self, module, x):
+        hw = x.shape[2] * x.shape[3]
+        # quirk: divided by the squared spatial size
+        return x.to(stat_dtype(x)).sum((0, 2, 3)) / (hw**2), float(x.shape[0])
+
+    def output_partial(self, module, s):
+        return s.to(stat_dtype(s)).sum((0, 2, 3)), float(s.shape[0])
+
+
+class LayerNormRule(_TwoColumnRule):
+    """LayerNorm over one trailing dimension (the spec's layout has one ``S`` per feature)."""
+
+    kind = "layernorm"
+
+    def supports(self, module: nn.Module) -> bool:
+        return (
+            isinstance(module, nn.LayerNorm)
+            and module.elementwise_affine
+            and len(module.normalized_shape) == 1
+        )
+
+    def input_partial(self, module, x):
+        # quirk: reduce every dim except dim 1, not the normalised last dim
+        dims = [d for d in range(x.dim()) if d != 1]
+        dn = math.prod(x.shape[d] for d in dims if d != 0)
+        return x.to(stat_dtype(x)).sum(dims) / (dn**2), float(x.shape[0])
+
+    def output_partial(self, module, s):
+        return s.to(stat_dtype(s)).sum(tuple(range(s.dim() - 1))), float(s.shape[0])
+
+
+RULES: tuple[LayerRule, ...] = (LinearRule(), Conv2dRule(), BatchNorm2dRule(), LayerNormRule())
+
+
+def rule_for(module: nn.Module) -> Optional[LayerRule]:
+    """The rule for a supported module, or ``None`` (its parameters then use F = 1)."""
+    for rule in RULES:
+        if rule.supports(module):
+            return rule
+    return None

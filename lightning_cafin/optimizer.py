@@ -1,0 +1,438 @@
+"""``AdaFisher`` and ``AdaFisherW``: ``torch.optim.Optimizer`` subclasses.
+
+The optimizer owns the parameters, the per-parameter state (momentum and step count),
+the layer factors and the capture schedule; a backend (``reference``, ``foreach``,
+``fused``) only applies the update.  Parameters are paired with the modules whose
+weight or bias they are *by identity*, never by position, so embeddings, frozen or
+tied layers, free parameters and extra param groups all get their own ``F``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ._validation import check_hyperparameters, reject_unknown_kwargs
+from .backends import BACKEND_NAMES, FactorView, StepBackend, StepBatch, StepHyper, make_backend
+from .backends.foreach import ForeachBackend
+from .capture.factors import update_factors
+from .capture.hooks import LayerCapture, attach, detach
+from .capture.layers import ParamSlot, rule_for
+
+log = logging.getLogger("lightning_cafin")
+
+_STATE_KEY = "cafin"
+_STATE_FORMAT = 1
+_KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend"]
+
+Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
+
+
+class _AdaFisherBase(Optimizer):
+    """Shared machinery of AdaFisher and AdaFisherW (they differ only in weight decay)."""
+
+    _decoupled = False
+    # A loss scaler hands us grad_scale / found_inf instead of unscaling the gradients,
+    # so a skipped step can leave the factors and counters untouched.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        beta: float = 0.9,
+        gamma: float = 0.8,
+        Lambda: float = 1e-3,
+        TCov: int = 100,
+        weight_decay: float = 0.0,
+        *,
+        backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        reject_unknown_kwargs(type(self).__name__, kwargs, _KNOWN_ARGS)
+        check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay)
+        model = params if isinstance(params, nn.Module) else None
+        if model is not None:
+            params = list(model.parameters())
+        self._init_bookkeeping()
+        defaults = dict(lr=lr, beta=beta, gamma=gamma, Lambda=Lambda, TCov=TCov, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.set_backend(backend)
+        if model is not None:
+            self.bind(model)
+
+    def _init_bookkeeping(self) -> None:
+        self._captures: dict[str, LayerCapture] = {}
+        self._slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
+        self._param_names: dict[int, str] = {}
+        self._model: Optional[nn.Module] = None
+        self._saved_factors: dict[str, dict[str, Tensor]] = {}
+        self._global_step = 0
+        self._force_capture = False
+        self._factors_version = 0
+        self._summary: Optional[str] = None
+        self._warned: set[str] = set()
+        self.health: dict[str, Any] = {
+            "skipped_steps": 0,
+            "capture_steps": 0,
+            "modules_not_fired": [],
+            "non_finite_statistics": 0,
+            "params_f_one": 0,
+        }
+        self._backend: StepBackend = ForeachBackend()
+        self._backend_name = "foreach"
+        self._fallback = ForeachBackend()
+
+    def __setstate__(self, state: dict) -> None:
+        # torch calls this from load_state_dict (keep our binding) and on unpickling
+        # (where only torch's own fields exist).
+        if not hasattr(self, "_captures"):
+            self._init_bookkeeping()
+        super().__setstate__(state)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)  # may be a generator
+        param_group = {**param_group, "params": params}
+        for p in params:
+            if isinstance(p, Tensor) and torch.is_complex(p):
+                raise TypeError(
+                    f"{type(self).__name__} does not support complex parameters (got one of dtype {p.dtype}); "
+                    "optimise torch.view_as_real(param) instead"
+                )
+        for key in ("gamma", "TCov"):
+            if key in param_group and param_group[key] != self.defaults[key]:
+                raise ValueError(
+                    f"{key}={param_group[key]!r} in a param group differs from the optimizer's {key}="
+                    f"{self.defaults[key]!r}: the factor schedule is shared by all groups; set {key} on the optimizer"
+                )
+        merged = {**self.defaults, **param_group}
+        check_hyperparameters(*(merged[k] for k in ("lr", "beta", "gamma", "Lambda", "TCov", "weight_decay")))
+        super().add_param_group(param_group)
+        if self._model is not None:
+            self._pair(self._model)
+
+    # ----------------------------------------------------------------- backend
+    @property
+    def backend(self) -> str:
+        """The name of the backend that runs the step (``auto`` already resolved)."""
+        return self._backend.name
+
+    def set_backend(self, name: str) -> None:
+        """Switch the step implementation; state and factors carry over unchanged."""
+        self._backend = make_backend(name)
+        self._backend_name = name
+
+    # ----------------------------------------------------------------- binding
+    def bind(self, model: nn.Module) -> "_AdaFisherBase":
+        """Install the factor-capture hooks on ``model``'s supported layers.
+
+        Idempotent: binding again (or binding another AdaFisher to the same model) never
+        stacks hooks; each module keeps one hook, owned by the latest binder.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"bind(model) needs a torch.nn.Module, got {type(model).__name__}")
+        if self._model is not None and self._model is not model:
+            self.unbind()
+        self._model = model
+        self._pair(model)
+        if not self._captures:
+            warnings.warn(
+                f"{type(self).__name__}: {type(model).__name__} has no supported layer (Linear, Conv2d, "
+                "BatchNorm2d, LayerNorm) among the optimizer's parameters; every parameter uses F = 1",
+                stacklevel=2,
+            )
+        return self
+
+    def unbind(self) -> None:
+        """Remove every hook this optimizer installed; its factors are kept for a later bind."""
+        for cap in self._captures.values():
+            if cap.S is not None:
+                self._saved_factors[cap.name] = {"S": cap.S, "H": cap.H}
+            detach(cap)
+        self._captures, self._slots, self._model = {}, {}, None
+
+    @property
+    def is_bound(self) -> bool:
+        return self._model is not None
+
+    def _pair(self, model: nn.Module) -> None:
+        in_optimizer = {id(p) for group in self.param_groups for p in group["params"]}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
+        captures: dict[str, LayerCapture] = {}
+        for name, module in model.named_modules():
+            rule = rule_for(module)
+            if rule is None:
+                continue
+            mine = []
+            for slot in rule.slots(module):
+                p = getattr(module, slot.role, None)
+                if isinstance(p, Tensor) and id(p) in in_optimizer and id(p) not in slots:
+                    mine.append((p, slot))
+            if not mine:
+                continue
+            cap = self._captures.get(name)
+            if cap is None or cap.module is not module:
+                cap = LayerCapture(name, module, rule, self._is_capture_step)
+            captures[name] = cap
+            for p, slot in mine:
+                slots[id(p)] = (cap, slot)
+        for name, cap in self._captures.items():
+            if captures.get(name) is not cap:
+                detach(cap)
+        for cap in captures.values():
+            if attach(cap) is not None and "rebind" not in self._warned:
+                self._warned.add("rebind")
+                warnings.warn(
+                    f"{type(self).__name__}: {cap.name!r} was bound to another live AdaFisher optimizer; its "
+                    "hooks now feed this one (the other no longer updates those factors)",
+                    stacklevel=3,
+                )
+        self._captures, self._slots = captures, slots
+        self._restore_saved_factors()
+        self._summary = None
+
+    # ------------------------------------------------------------------ status
+    def _is_capture_step(self) -> bool:
+        return self._force_capture or self._global_step % self.defaults["TCov"] == 0
+
+    def _name(self, p: Tensor) -> str:
+        if id(p) in self._param_names:
+            return self._param_names[id(p)]
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{gi}]['params'][{pi}]"
+        return "<unknown parameter>"
+
+    def summary(self) -> str:
+        """One paragraph: how many parameters are preconditioned and how many use F = 1."""
+        pre_t = pre_n = one_t = one_n = 0
+        plain = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._slots:
+                    pre_t, pre_n = pre_t + 1, pre_n + p.numel()
+                else:
+                    one_t, one_n = one_t + 1, one_n + p.numel()
+                    plain.append(self._name(p))
+        shown = ", ".join(plain[:6]) + (", ..." if len(plain) > 6 else "")
+        text = (
+            f"{type(self).__name__} [{self.backend}]: {pre_t} parameter tensors ({pre_n:,} elements) in "
+            f"{len(self._captures)} layers are preconditioned; {one_t} tensors ({one_n:,} elements) use F = 1"
+        )
+        return text + (f" ({shown})" if plain else "")
+
+    # -------------------------------------------------------------------- step
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One AdaFisher update; on capture steps the factors are re-estimated first.
+
+        ``closure`` (optional) re-evaluates the model with gradients enabled and returns
+        the loss, which is returned.  Under a loss scaler (``torch.amp.GradScaler``) the
+        scaler's ``grad_scale`` / ``found_inf`` are honoured: a step with non-finite
+        gradients changes nothing, factors, counters and pending statistics included.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
+        found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
+        with torch.no_grad():
+            if found_inf is not None and found_inf.item() != 0:
+                self._discard_pending()
+                self.health["skipped_steps"] += 1
+                return loss
+            self._first_step_notices()
+            if self._is_capture_step():
+                self._capture(grad_scale)
+            else:
+                self._discard_pending()
+            for group in self.param_groups:
+                self._step_group(group, grad_scale)
+            self._global_step += 1
+            self._force_capture = False
+        return loss
+
+    def _first_step_notices(self) -> None:
+        if self._summary is not None:
+            return
+        self._summary = self.summary()
+        self.health["params_f_one"] = sum(
+            1 for g in self.param_groups for p in g["params"] if id(p) not in self._slots
+        )
+        log.info(self._summary)
+        if self._model is None and "unbound" not in self._warned:
+            self._warned.add("unbound")
+            warnings.warn(
+                f"{type(self).__name__} is not bound to a model, so every parameter uses F = 1 (momentum SGD). "
+                "Pass the model as the first argument, call optimizer.bind(model), or add "
+                "lightning_cafin.CAFINCallback() to the Trainer's callbacks",
+                stacklevel=3,
+            )
+
+    def _discard_pending(self) -> None:
+        for cap in self._captures.values():
+            cap.take_pending()
+
+    def _capture(self, grad_scale: Optional[Tensor]) -> None:
+        scale = None if grad_scale is None else float(grad_scale.item())
+        report = update_factors(list(self._captures.values()), self.defaults["gamma"], scale)
+        self._factors_version += 1
+        self.health["capture_steps"] += 1
+        self.health["non_finite_statistics"] += len(report.non_finite)
+        trainable = [n for n in report.not_fired if any(p.requires_grad for p in self._captures[n].module.parameters(recurse=False))]
+        self.health["modules_not_fired"] = trainable
+        for name in report.non_finite:
+            self._warn_once(f"nonfinite:{name}", f"non-finite statistics for {name!r}: its factors were kept unchanged")
+        for name in trainable:
+            self._warn_once(
+                f"notfired:{name}",
+                f"no training forward/backward reached {name!r} before a capture step; "
+                "its factors were not updated (F = 1 until they are)" if self._captures[name].S is None else
+                f"no training forward/backward reached {name!r} before a capture step; its factors were kept",
+            )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"{type(self).__name__}: {message}", stacklevel=4)
+
+    def _view(self, p: Tensor) -> Optional[FactorView]:
+        entry = self._slots.get(id(p))
+        if entry is None or entry[0].S is None:
+            return None
+        cap, slot = entry
+        if cap.S.numel() * slot.ncols != p.numel():
+            self._warn_once(f"shape:{cap.name}", f"factors of {cap.name!r} do not fit {self._name(p)}; using F = 1")
+            return None
+        return FactorView(cap.S, cap.H, slot.col_offset, slot.ncols)
+
+    def _step_group(self, group: dict, grad_scale: Optional[Tensor]) -> None:
+        batch = StepBatch([], [], [], [], [], self._factors_version)
+        backend = self._backend
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients ({self._name(p)} has one); "
+                    "use nn.Embedding(..., sparse=False) or a sparse optimizer for that parameter"
+                )
+            if backend.name == "fused" and not p.is_cuda:
+                self._warn_once("cpu-fallback", f"{self._name(p)} is not on a CUDA device; 'foreach' steps it")
+                backend = self._fallback
+            state = self.state[p]
+            backend.init_state(p, state)
+            batch.params.append(p)
+            batch.grads.append(p.grad)
+            batch.exp_avgs.append(state["exp_avg"])
+            batch.steps.append(state["step"])
+            batch.views.append(self._view(p))
+        if batch.params:
+            hyper = StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
+            backend.step(batch, hyper, grad_scale, None)
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus the factors (keyed by module name) and the schedule."""
+        sd = super().state_dict()
+        factors = {name: {"S": c.S.clone(), "H": c.H.clone()} for name, c in self._captures.items() if c.S is not None}
+        for name, saved in self._saved_factors.items():
+            factors.setdefault(name, {"S": saved["S"].clone(), "H": saved["H"].clone()})
+        sd[_STATE_KEY] = {
+            "format": _STATE_FORMAT,
+            "global_step": self._global_step,
+            "force_capture": self._force_capture,
+            "factors": factors,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's state and the factors; the caller's dict is left untouched."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_STATE_KEY, None)
+        super().load_state_dict(copy.deepcopy(state_dict))
+        if extra is None:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the state dict holds no AdaFisher factors (saved by "
+                "another optimizer or another version?); momentum and step counts are loaded and the factors "
+                "will be re-estimated at the next step",
+                stacklevel=2,
+            )
+            self._force_capture = True
+            return
+        if extra.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown AdaFisher state format {extra.get('format')!r} (expected {_STATE_FORMAT})")
+        self._global_step = int(extra["global_step"])
+        self._force_capture = bool(extra["force_capture"])
+        self._saved_factors = {n: {"S": f["S"].clone(), "H": f["H"].clone()} for n, f in extra["factors"].items()}
+        self._factors_version += 1
+        self._restore_saved_factors()
+
+    def _restore_saved_factors(self) -> None:
+        if not self._saved_factors or not self._captures:
+            return
+        unknown = sorted(set(self._saved_factors) - set(self._captures))
+        if unknown:
+            self._warn_once(
+                "unknown-factors", f"saved factors for {unknown} match no bound layer of this model; ignored"
+            )
+        for name, cap in self._captures.items():
+            saved = self._saved_factors.get(name)
+            if saved is None:
+                continue
+            device = next(cap.module.parameters(recurse=False)).device
+            S, H = saved["S"].to(device), saved["H"].to(device)
+            if cap.S is not None and cap.S.shape == S.shape and cap.H.shape == H.shape:
+                cap.S.copy_(S)
+                cap.H.copy_(H)
+            else:
+                cap.S, cap.H = S.clone(), H.clone()
+        self._saved_factors = {}
+        self._factors_version += 1
+
+
+class AdaFisher(_AdaFisherBase):
+    """AdaFisher (Gomes et al., ICLR 2025) with L2 weight decay folded into the gradient.
+
+    ``m <- beta*m + (1-beta)*(g + wd*p)``;  ``p <- p - lr/(1-beta^k) * m / F`` with
+    ``F = S[i]*H[j] + Lambda`` from the layer's Kronecker factors (``F = 1`` for
+    parameters of unsupported layers).
+
+    Args:
+        params: an ``nn.Module`` (the optimizer binds itself to it, as the authors'
+            code does), or parameters / param-group dicts (then call :meth:`bind`, or use
+            ``CAFINCallback`` under Lightning).
+        lr: learning rate.
+        beta: momentum coefficient.
+        gamma: factor averaging coefficient (``0.1*gamma*old + 0.01*gamma*new``).
+        Lambda: damping added to the Fisher diagonal.
+        TCov: factors are re-estimated every ``TCov`` optimizer steps.
+        weight_decay: L2 penalty coefficient.
+        backend: ``"auto"`` (fused CUDA where it can run, else foreach), ``"foreach"``,
+            ``"reference"`` (the slow oracle) or ``"fused"``.
+    """
+
+    _decoupled = False
+
+
+class AdaFisherW(_AdaFisherBase):
+    """AdaFisherW: AdaFisher with decoupled weight decay.
+
+    ``m <- beta*m + (1-beta)*g``;  ``p <- p - lr*(m/(1-beta^k)/F + wd*p)``.
+    Arguments as :class:`AdaFisher`.
+    """
+
+    _decoupled = True
+
+
+__all__ = ["AdaFisher", "AdaFisherW", "BACKEND_NAMES"]
