@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from ._validation import check_hyperparameters, reject_unknown_kwargs
 from .backends import BACKEND_NAMES, FactorView, StepBackend, StepBatch, StepHyper, make_backend
 from .backends.foreach import ForeachBackend
+from .capture.distributed import all_reduce_pending
 from .capture.factors import update_factors
 from .capture.hooks import LayerCapture, attach, detach
 from .capture.layers import ParamSlot, rule_for
@@ -32,6 +33,14 @@ _STATE_FORMAT = 1
 _KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
+
+
+class StepObserver(Protocol):
+    """Something that watches the update (a monitor); see ``add_step_observer``."""
+
+    def before_update(self, optimizer: "_AdaFisherBase") -> None: ...
+
+    def after_update(self, optimizer: "_AdaFisherBase") -> None: ...
 
 
 class _AdaFisherBase(Optimizer):
@@ -88,6 +97,9 @@ class _AdaFisherBase(Optimizer):
         self._backend: StepBackend = ForeachBackend()
         self._backend_name = "foreach"
         self._fallback = ForeachBackend()
+        self._observers: list[StepObserver] = []
+        #: process group whose ranks' statistics are summed on capture steps (None: the default group)
+        self.statistics_group = None
 
     def __setstate__(self, state: dict) -> None:
         # torch calls this from load_state_dict (keep our binding) and on unpickling
@@ -252,14 +264,20 @@ class _AdaFisherBase(Optimizer):
                 self.health["skipped_steps"] += 1
                 return loss
             self._first_step_notices()
+            for observer in self._observers:
+                observer.before_update(self)
             if self._is_capture_step():
                 self._capture(grad_scale)
             else:
                 self._discard_pending()
             for group in self.param_groups:
-                self._step_group(group, grad_scale)
+                backend, batch = self._collect(group)
+                if batch.params:
+                    backend.step(batch, self.hyper(group), grad_scale, None)
             self._global_step += 1
             self._force_capture = False
+            for observer in self._observers:
+                observer.after_update(self)
         return loss
 
     def _first_step_notices(self) -> None:
@@ -285,6 +303,7 @@ class _AdaFisherBase(Optimizer):
 
     def _capture(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())
+        all_reduce_pending(list(self._captures.values()), self.statistics_group)
         report = update_factors(list(self._captures.values()), self.defaults["gamma"], scale)
         self._factors_version += 1
         self.health["capture_steps"] += 1
@@ -306,7 +325,8 @@ class _AdaFisherBase(Optimizer):
             self._warned.add(key)
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=4)
 
-    def _view(self, p: Tensor) -> Optional[FactorView]:
+    def fisher_view(self, p: Tensor) -> Optional[FactorView]:
+        """How ``p`` reads its F now (``None``: F = 1)."""
         entry = self._slots.get(id(p))
         if entry is None or entry[0].S is None:
             return None
@@ -316,7 +336,12 @@ class _AdaFisherBase(Optimizer):
             return None
         return FactorView(cap.S, cap.H, slot.col_offset, slot.ncols)
 
-    def _step_group(self, group: dict, grad_scale: Optional[Tensor]) -> None:
+    def hyper(self, group: dict) -> StepHyper:
+        """The update's hyper-parameters for one param group."""
+        return StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
+
+    def _collect(self, group: dict) -> tuple[StepBackend, StepBatch]:
+        """The group's parameters that have a gradient, with their state and factor views."""
         batch = StepBatch([], [], [], [], [], self._factors_version)
         backend = self._backend
         for p in group["params"]:
@@ -336,10 +361,22 @@ class _AdaFisherBase(Optimizer):
             batch.grads.append(p.grad)
             batch.exp_avgs.append(state["exp_avg"])
             batch.steps.append(state["step"])
-            batch.views.append(self._view(p))
-        if batch.params:
-            hyper = StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
-            backend.step(batch, hyper, grad_scale, None)
+            batch.views.append(self.fisher_view(p))
+        return backend, batch
+
+    # ---------------------------------------------------------- observation
+    def add_step_observer(self, observer: "StepObserver") -> None:
+        """Call ``observer.before_update(opt)`` / ``after_update(opt)`` around every applied update.
+
+        They run inside :meth:`step` after the closure (so after forward and backward) and
+        are skipped on steps a loss scaler skips; this is how monitors time the update alone.
+        """
+        if observer not in self._observers:
+            self._observers.append(observer)
+
+    def remove_step_observer(self, observer: "StepObserver") -> None:
+        if observer in self._observers:
+            self._observers.remove(observer)
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -390,8 +427,7 @@ class _AdaFisherBase(Optimizer):
             saved = self._saved_factors.get(name)
             if saved is None:
                 continue
-            device = next(cap.module.parameters(recurse=False)).device
-            S, H = saved["S"].to(device), saved["H"].to(device)
+            S, H = saved["S"].to(cap.device), saved["H"].to(cap.device)
             if cap.S is not None and cap.S.shape == S.shape and cap.H.shape == H.shape:
                 cap.S.copy_(S)
                 cap.H.copy_(H)

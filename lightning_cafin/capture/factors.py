@@ -65,7 +65,7 @@ def update_factors(
         if torch.isnan(H_raw).any() or torch.isnan(S_raw).any():
             report.non_finite.append(cap.name)
             continue
-        device = _factor_device(cap)
+        device = cap.device
         H_hat = normalise_(H_raw.to(device=device, dtype=torch.float32 if H_raw.dtype != torch.float64 else H_raw.dtype))
         S_hat = normalise_(S_raw.to(device=device, dtype=H_hat.dtype))
         if cap.H is None or cap.H.shape != H_hat.shape or cap.S.shape != S_hat.shape or cap.H.dtype != H_hat.dtype:
@@ -76,8 +76,3 @@ def update_factors(
         report.updated.append(cap.name)
     return report
 
-
-def _factor_device(cap: LayerCapture) -> torch.device:
-    for p in cap.module.parameters(recurse=False):
-        return p.device
-    return torch.device("cpu")

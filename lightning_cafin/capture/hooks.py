@@ -59,6 +59,13 @@ class LayerCapture:
     pending: PendingStats = field(default_factory=PendingStats)
     refused: int = 0  # forward/backward pairs dropped because their shape changed
 
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters, hence its factors, live."""
+        for p in self.module.parameters(recurse=False):
+            return p.device
+        return torch.device("cpu")
+
     def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
         if not self.pending.add(h, hn, s, sn):
             self.refused += 1
