@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
@@ -33,6 +34,21 @@ _STATE_FORMAT = 1
 _KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
+
+#: Models an unbound AdaFisher may bind itself to at its first step, with the optimizers that did.
+_OFFERED_MODELS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def offer_model(model: nn.Module) -> None:
+    """Let any unbound AdaFisher whose parameters all belong to ``model`` bind to it at its first step."""
+    _OFFERED_MODELS.setdefault(model, weakref.WeakSet())
+
+
+def withdraw_model(model: nn.Module) -> None:
+    """Stop offering ``model`` and unbind the optimizers that bound themselves to it."""
+    for opt in list(_OFFERED_MODELS.pop(model, ())):
+        if opt._model is model:
+            opt.unbind()
 
 
 class StepObserver(Protocol):
@@ -143,18 +159,19 @@ class _AdaFisherBase(Optimizer):
         self._backend_name = name
 
     # ----------------------------------------------------------------- binding
-    def bind(self, model: nn.Module) -> "_AdaFisherBase":
+    def bind(self, model: nn.Module, *, warn_on_takeover: bool = True) -> "_AdaFisherBase":
         """Install the factor-capture hooks on ``model``'s supported layers.
 
         Idempotent: binding again (or binding another AdaFisher to the same model) never
-        stacks hooks; each module keeps one hook, owned by the latest binder.
+        stacks hooks; each module keeps one hook, owned by the latest binder (with a
+        warning when the previous owner is still alive, unless ``warn_on_takeover=False``).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"bind(model) needs a torch.nn.Module, got {type(model).__name__}")
         if self._model is not None and self._model is not model:
             self.unbind()
         self._model = model
-        self._pair(model)
+        self._pair(model, warn_on_takeover)
         if not self._captures:
             warnings.warn(
                 f"{type(self).__name__}: {type(model).__name__} has no supported layer (Linear, Conv2d, "
@@ -175,7 +192,7 @@ class _AdaFisherBase(Optimizer):
     def is_bound(self) -> bool:
         return self._model is not None
 
-    def _pair(self, model: nn.Module) -> None:
+    def _pair(self, model: nn.Module, warn_on_takeover: bool = True) -> None:
         in_optimizer = {id(p) for group in self.param_groups for p in group["params"]}
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
@@ -201,7 +218,7 @@ class _AdaFisherBase(Optimizer):
             if captures.get(name) is not cap:
                 detach(cap)
         for cap in captures.values():
-            if attach(cap) is not None and "rebind" not in self._warned:
+            if attach(cap) is not None and warn_on_takeover and "rebind" not in self._warned:
                 self._warned.add("rebind")
                 warnings.warn(
                     f"{type(self).__name__}: {cap.name!r} was bound to another live AdaFisher optimizer; its "
@@ -263,26 +280,28 @@ class _AdaFisherBase(Optimizer):
                 self._discard_pending()
                 self.health["skipped_steps"] += 1
                 return loss
-            self._first_step_notices()
-            for observer in self._observers:
-                observer.before_update(self)
-            if self._is_capture_step():
+            bound_now = self._first_step_notices()
+            if self._is_capture_step() and not bound_now:
                 self._capture(grad_scale)
             else:
                 self._discard_pending()
+            for observer in self._observers:
+                observer.before_update(self)
             for group in self.param_groups:
                 backend, batch = self._collect(group)
                 if batch.params:
                     backend.step(batch, self.hyper(group), grad_scale, None)
             self._global_step += 1
-            self._force_capture = False
+            self._force_capture = bound_now  # its hooks missed this step's forward: capture next step
             for observer in self._observers:
                 observer.after_update(self)
         return loss
 
-    def _first_step_notices(self) -> None:
+    def _first_step_notices(self) -> bool:
+        """The one-time summary and warnings; True when the optimizer bound itself just now."""
         if self._summary is not None:
-            return
+            return False
+        late = self._model is None and self._bind_offered_model()
         self._summary = self.summary()
         self.health["params_f_one"] = sum(
             1 for g in self.param_groups for p in g["params"] if id(p) not in self._slots
@@ -296,6 +315,21 @@ class _AdaFisherBase(Optimizer):
                 "lightning_cafin.CAFINCallback() to the Trainer's callbacks",
                 stacklevel=3,
             )
+        return late
+
+    def _bind_offered_model(self) -> bool:
+        """Bind to a model a CAFINCallback offered, if it holds all of this optimizer's parameters.
+
+        Covers optimizers created where the callback cannot see them (a learning-rate
+        search replaces the trainer's callbacks while it runs).
+        """
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        for model, binders in list(_OFFERED_MODELS.items()):
+            if mine <= {id(p) for p in model.parameters()}:
+                self.bind(model, warn_on_takeover=False)
+                binders.add(self)
+                return True
+        return False
 
     def _discard_pending(self) -> None:
         for cap in self._captures.values():
@@ -368,8 +402,9 @@ class _AdaFisherBase(Optimizer):
     def add_step_observer(self, observer: "StepObserver") -> None:
         """Call ``observer.before_update(opt)`` / ``after_update(opt)`` around every applied update.
 
-        They run inside :meth:`step` after the closure (so after forward and backward) and
-        are skipped on steps a loss scaler skips; this is how monitors time the update alone.
+        They run inside :meth:`step` after the closure (forward and backward) and after a
+        capture step's factor update, just around the parameter update itself, and not at
+        all on steps a loss scaler skips: this is how monitors time and check the update alone.
         """
         if observer not in self._observers:
             self._observers.append(observer)

@@ -385,3 +385,23 @@ def test_nan_statistics_never_enter_the_factors():
         opt.step()
     assert torch.equal(opt._captures["4"].S, kept)
     assert opt.health["non_finite_statistics"] == 1
+
+
+def test_unbound_optimizer_binds_to_an_offered_model_and_captures_next_step():
+    from lightning_cafin.optimizer import offer_model, withdraw_model
+
+    model = plain_net()
+    offer_model(model)
+    try:
+        opt = AdaFisher(model.parameters(), TCov=100)
+        run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
+        run()
+        opt.step()  # binds now; its hooks missed this forward, so the next step captures
+        assert opt.is_bound and all(c.S is None for c in opt._captures.values())
+        opt.zero_grad()
+        run()
+        opt.step()
+        assert opt.health["capture_steps"] == 1 and all(c.S is not None for c in opt._captures.values())
+    finally:
+        withdraw_model(model)
+    assert not opt.is_bound and all(hook_count(m) == 0 for m in model.modules())

@@ -1,0 +1,77 @@
+"""The shadow baseline step: the same update replayed by another backend on copies.
+
+Just before the live update, the parameters that will move, their gradients and their
+state are copied; just after it, the baseline backend (the ``reference`` oracle by
+default) applies the same update to the copies with the same factors, and the two
+results are compared.  Nothing live is touched by the replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..backends import StepBackend, StepBatch
+
+
+@dataclass
+class _Entry:
+    group: int
+    live: Tensor
+    param: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    step: Tensor
+
+
+@dataclass
+class Snapshot:
+    entries: list[_Entry] = field(default_factory=list)
+    grad_scale: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    max_abs: float  # largest |fused - baseline| over every updated element
+    rel: float  # max_abs / largest |baseline| element
+
+
+def take_snapshot(opt) -> Snapshot:
+    """Copies of everything the coming update reads and writes."""
+    snap = Snapshot(grad_scale=None if getattr(opt, "grad_scale", None) is None else opt.grad_scale.clone())
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            m = state["exp_avg"].clone() if "exp_avg" in state else torch.zeros_like(p)
+            k = state["step"].detach().cpu().clone() if "step" in state else torch.zeros((), dtype=torch.float32)
+            snap.entries.append(_Entry(gi, p, p.detach().clone(), p.grad.detach().clone(), m, k))
+    return snap
+
+
+def replay(opt, snap: Snapshot, backend: StepBackend) -> None:
+    """Apply the update to the snapshot's copies with ``backend`` and the optimizer's current factors."""
+    for gi, group in enumerate(opt.param_groups):
+        mine = [e for e in snap.entries if e.group == gi]
+        if not mine:
+            continue
+        batch = StepBatch(
+            [e.param for e in mine], [e.grad for e in mine], [e.exp_avg for e in mine], [e.step for e in mine],
+            [opt.fisher_view(e.live) for e in mine], opt._factors_version,
+        )
+        backend.step(batch, opt.hyper(group), snap.grad_scale, None)
+
+
+def divergence(snap: Snapshot) -> Divergence:
+    """How far the live update landed from the replayed baseline."""
+    max_abs, scale = 0.0, 0.0
+    with torch.no_grad():
+        for e in snap.entries:
+            diff = (e.live.detach().float() - e.param.float()).abs().max()
+            max_abs = max(max_abs, float(diff))
+            scale = max(scale, float(e.param.float().abs().max()))
+    return Divergence(max_abs, max_abs / scale if scale > 0 else 0.0)
