@@ -29,6 +29,13 @@ from .capture.layers import ParamSlot, rule_for
 
 log = logging.getLogger("lightning_cafin")
 
+
+def fused_unsupported_reason(p: Tensor, grad: Optional[Tensor]) -> Optional[str]:
+    """Why the fused kernel cannot step ``p`` (``None``: it can)."""
+    from .backends.fused import unsupported_reason
+
+    return unsupported_reason(p, grad)
+
 _STATE_KEY = "cafin"
 _STATE_FORMAT = 1
 _KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend"]
@@ -288,8 +295,7 @@ class _AdaFisherBase(Optimizer):
             for observer in self._observers:
                 observer.before_update(self)
             for group in self.param_groups:
-                backend, batch = self._collect(group)
-                if batch.params:
+                for backend, batch in self._collect(group):
                     backend.step(batch, self.hyper(group), grad_scale, None)
             self._global_step += 1
             self._force_capture = bound_now  # its hooks missed this step's forward: capture next step
@@ -374,10 +380,15 @@ class _AdaFisherBase(Optimizer):
         """The update's hyper-parameters for one param group."""
         return StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
 
-    def _collect(self, group: dict) -> tuple[StepBackend, StepBatch]:
-        """The group's parameters that have a gradient, with their state and factor views."""
-        batch = StepBatch([], [], [], [], [], self._factors_version)
-        backend = self._backend
+    def _collect(self, group: dict) -> list[tuple[StepBackend, StepBatch]]:
+        """The group's parameters that have a gradient, with their state and factor views.
+
+        Normally one batch for the optimizer's backend; parameters the fused kernel
+        cannot take (CPU, float64, non-contiguous) go to a ``foreach`` batch instead,
+        with one warning naming the first of them and why.
+        """
+        main = StepBatch([], [], [], [], [], self._factors_version)
+        spill = StepBatch([], [], [], [], [], self._factors_version)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -386,9 +397,12 @@ class _AdaFisherBase(Optimizer):
                     f"{type(self).__name__} does not support sparse gradients ({self._name(p)} has one); "
                     "use nn.Embedding(..., sparse=False) or a sparse optimizer for that parameter"
                 )
-            if backend.name == "fused" and not p.is_cuda:
-                self._warn_once("cpu-fallback", f"{self._name(p)} is not on a CUDA device; 'foreach' steps it")
-                backend = self._fallback
+            backend, batch = self._backend, main
+            if backend.name == "fused":
+                why = fused_unsupported_reason(p, p.grad)
+                if why is not None:
+                    self._warn_once("fused-fallback", f"{self._name(p)} is stepped by 'foreach': {why}")
+                    backend, batch = self._fallback, spill
             state = self.state[p]
             backend.init_state(p, state)
             batch.params.append(p)
@@ -396,7 +410,7 @@ class _AdaFisherBase(Optimizer):
             batch.exp_avgs.append(state["exp_avg"])
             batch.steps.append(state["step"])
             batch.views.append(self.fisher_view(p))
-        return backend, batch
+        return [(b, x) for b, x in ((self._backend, main), (self._fallback, spill)) if x.params]
 
     # ---------------------------------------------------------- observation
     def add_step_observer(self, observer: "StepObserver") -> None:

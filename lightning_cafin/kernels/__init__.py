@@ -1,0 +1,24 @@
+"""The CUDA extension: sources in ``csrc/``, built or found by :mod:`.loader`.
+
+Importing this package is cheap and never builds anything; the first call to
+:func:`load_extension` / :func:`extension_info` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["ExtensionInfo", "can_run_fused", "extension_info", "load_extension"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loader import ExtensionInfo, can_run_fused, extension_info, load_extension
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that ``python -m lightning_cafin.kernels.loader`` does not import the
+    # loader twice (runpy warns about that).
+    if name in __all__:
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
