@@ -1,0 +1,361 @@
+"""``python -m lightning_cafin.bench``: AdaFisher's backends beside torch's Adam and SGD, measured in one run.
+
+Workloads: the paper's CIFAR ResNet-18 (batch 256), a small transformer (LayerNorm +
+Linear, AdaFisherW) and a large flat set of Linear weights sized to the device (up to
+1 billion parameters).  For each optimizer variant it measures, with CUDA events on a
+GPU (the wall clock on the CPU):
+
+* ``step_ms``: the median ``optimizer.step()`` on a non-capture step;
+* ``capture_ms``: the extra forward+backward time of a capture step (AdaFisher only);
+* ``train_step_ms``: forward + backward + step;
+* ``temp_mb``: temporary memory of one step (allocator peak above the start);
+* ``state_mb``: optimizer state (momentum, factors, caches; Adam's two moments);
+* ``GBps`` and ``of_copy``: on the flat set, bytes the step must move over its time,
+  and that as a fraction of a device copy measured in the same run.
+
+It prints a table, and writes ``bench.json`` (with the run's provenance) and
+``bench.png`` (when matplotlib is installed) to ``--out``.  ``--quick`` shrinks
+everything so that CI can run it on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import AdaFisher, AdaFisherW, __version__
+from .backends import fused_unavailable_reason
+from .models import ResNet18, TransformerClassifier
+from .monitor.memory import TemporaryMemory
+from .optimizer import _AdaFisherBase
+
+
+@dataclass
+class Result:
+    workload: str
+    variant: str
+    step_ms: Optional[float] = None
+    capture_ms: Optional[float] = None
+    train_step_ms: Optional[float] = None
+    temp_mb: Optional[float] = None
+    state_mb: Optional[float] = None
+    GBps: Optional[float] = None
+    of_copy: Optional[float] = None
+    note: str = ""
+
+
+@dataclass
+class Variant:
+    name: str
+    make: Callable[[nn.Module], torch.optim.Optimizer]
+    graph: bool = False  # replay the step from a CUDA graph
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    if isinstance(opt, _AdaFisherBase):
+        for cap in opt._captures.values():
+            add(cap.S)
+            add(cap.H)
+        for backend in (opt._backend, opt._fallback):
+            for _, _, buf in getattr(backend, "_fisher", {}).values():
+                add(buf)
+    return total
+
+
+def variants(opt_cls: type, device: torch.device, lr: float, wd: float) -> list[Variant]:
+    fused_reason = fused_unavailable_reason() if device.type == "cuda" else "not a CUDA device"
+
+    def ada(backend):
+        return lambda m: opt_cls(m, lr=lr, weight_decay=wd, TCov=10**9, backend=backend)
+
+    out = [Variant(f"{opt_cls.__name__}[reference]", ada("reference")),
+           Variant(f"{opt_cls.__name__}[foreach]", ada("foreach"))]
+    if fused_reason is None:
+        out += [Variant(f"{opt_cls.__name__}[fused]", ada("fused")),
+                Variant(f"{opt_cls.__name__}[fused+graph]", ada("fused"), graph=True)]
+    adam = torch.optim.AdamW if opt_cls is AdaFisherW else torch.optim.Adam
+    out += [
+        Variant(f"{adam.__name__}(fused)", lambda m: adam(m.parameters(), lr=lr, weight_decay=wd, fused=True)),
+        Variant(f"{adam.__name__}(foreach)", lambda m: adam(m.parameters(), lr=lr, weight_decay=wd, foreach=True)),
+        Variant("SGD(momentum,foreach)", lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, foreach=True)),
+    ]
+    return out
+
+
+def _graphed(opt: torch.optim.Optimizer, device: torch.device) -> Callable[[], None]:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            opt.step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph.replay
+
+
+def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn, opt_cls, device, reps, lr, wd):
+    results = []
+    inputs, target = batch()
+    for v in variants(opt_cls, device, lr, wd):
+        model = copy.deepcopy(base).to(device)
+        opt = v.make(model)
+        res = Result(name, v.name)
+
+        def fwd_bwd():
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model(inputs), target).backward()
+
+        def train_step():
+            fwd_bwd()
+            opt.step()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                train_step()  # step 0 is a capture step; after it none (TCov is huge)
+            _sync(device)
+            step = _graphed(opt, device) if v.graph else opt.step
+            res.step_ms = median_ms(step, device, reps)
+            with TemporaryMemory(device) as mem:
+                step()
+                _sync(device)
+            res.temp_mb = mem.bytes / 2**20
+            res.state_mb = state_bytes(opt) / 2**20
+            if not v.graph:
+                res.train_step_ms = median_ms(train_step, device, reps)
+            if isinstance(opt, _AdaFisherBase) and not v.graph:
+                plain = median_ms(fwd_bwd, device, reps)
+
+                def capturing_fwd_bwd():
+                    opt._force_capture = True
+                    fwd_bwd()
+                    opt._force_capture = False
+                    opt._discard_pending()
+
+                res.capture_ms = median_ms(capturing_fwd_bwd, device, reps) - plain
+        results.append(res)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def copy_bandwidth(device: torch.device, numel: int, reps: int) -> float:
+    """GB/s of a device copy (bytes read + written), the ceiling of a streaming kernel."""
+    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, reps)
+    return 2 * numel * 4 / (ms * 1e-3) / 1e9
+
+
+def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
+    """Many large Linear weights with random factors: the step as a pure streaming kernel."""
+    n = max(1, total // (width * width))
+    copy_gbps = copy_bandwidth(device, min(total, 1 << 28), reps)
+    results = []
+    for v in variants(AdaFisher, device, lr, wd):
+        if "reference" in v.name and total > (1 << 26) and device.type != "cuda":
+            continue
+        layers = nn.ModuleList(nn.Linear(width, width, bias=False, device=device) for _ in range(n))
+        for p in layers.parameters():
+            p.grad = torch.randn_like(p)
+        opt = v.make(layers)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if isinstance(opt, _AdaFisherBase):
+                for cap in opt._captures.values():  # factors as after a capture: ~U(0.08, 0.088)
+                    cap.S = 0.08 + 0.008 * torch.rand(width, device=device)
+                    cap.H = 0.08 + 0.008 * torch.rand(width, device=device)
+                opt._global_step = 1  # not a capture step
+            opt.step()
+            step = _graphed(opt, device) if v.graph else opt.step
+            ms = median_ms(step, device, reps)
+            with TemporaryMemory(device) as mem:
+                step()
+                _sync(device)
+        elems = n * width * width
+        moved = (28 if "Adam" in v.name else 20) * elems  # Adam: r p,g,m,v w p,m,v; AdaFisher/SGD: r p,g,m w p,m
+        gbps = moved / (ms * 1e-3) / 1e9
+        results.append(Result(f"flat {elems / 1e6:.0f}M", v.name, step_ms=ms, temp_mb=mem.bytes / 2**20,
+                              state_mb=state_bytes(opt) / 2**20, GBps=gbps, of_copy=gbps / copy_gbps,
+                              note=f"copy {copy_gbps:.0f} GB/s"))
+        del layers, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def provenance(device: torch.device, argv: list[str]) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        commit = ""
+    return {
+        "command": "python -m lightning_cafin.bench " + " ".join(argv),
+        "commit": commit or "unknown",
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "lightning_cafin": __version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def table(results: list[Result]) -> str:
+    cols = ["workload", "variant", "step_ms", "capture_ms", "train_step_ms", "temp_mb", "state_mb", "GBps", "of_copy"]
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    rows = [cols] + [[fmt(getattr(r, c)) for c in cols] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in rows)
+
+
+def ratios(results: list[Result]) -> dict:
+    """The figures the performance goals are judged by, from this run's own rows."""
+    out = {}
+    for wl in sorted({r.workload for r in results}):
+        rows = {r.variant: r for r in results if r.workload == wl}
+        fam = "AdaFisherW" if any(k.startswith("AdaFisherW") for k in rows) else "AdaFisher"
+        adam = rows.get("AdamW(fused)") or rows.get("Adam(fused)")
+        ref = rows.get(f"{fam}[reference]")
+        for best in (f"{fam}[fused+graph]", f"{fam}[fused]", f"{fam}[foreach]"):
+            if best in rows:
+                r = rows[best]
+                out[wl] = {"variant": best,
+                           "step_vs_fused_adam": r.step_ms / adam.step_ms if adam else None,
+                           "speedup_vs_reference": ref.step_ms / r.step_ms if ref else None}
+                break
+    return out
+
+
+def plot(results: list[Result], path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install matplotlib)"
+    workloads = sorted({r.workload for r in results})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        rows = [r for r in results if r.workload == wl and r.step_ms is not None]
+        ax.barh([r.variant for r in rows], [r.step_ms for r in rows])
+        ax.set_xscale("log")
+        ax.set_title(wl)
+        ax.set_xlabel("optimizer step (ms, log)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lightning_cafin.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CI on a CPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--flat", type=float, default=None, help="flat parameter count (default: sized to the device)")
+    ap.add_argument("--only", default=None, help="comma list of workloads: resnet18,transformer,flat")
+    args = ap.parse_args(argv)
+    raw_argv = argv if argv is not None else __import__("sys").argv[1:]
+    device = torch.device(args.device)
+    quick = args.quick
+    reps = args.reps or (3 if quick else 30)
+    only = set(args.only.split(",")) if args.only else {"resnet18", "transformer", "flat"}
+    torch.manual_seed(0)
+    results: list[Result] = []
+
+    if "resnet18" in only:
+        bs, width = (4, 8) if quick else (256, 64)
+        net = ResNet18(10, 3, width)
+        batch = lambda: (torch.randn(bs, 3, 32, 32, device=device), torch.randint(0, 10, (bs,), device=device))
+        print(f"== CIFAR ResNet-18 (width {width}, batch {bs}) on {device}", flush=True)
+        results += bench_model(f"resnet18 b{bs}", net, batch, F.cross_entropy, AdaFisher, device, reps, 1e-3, 5e-4)
+    if "transformer" in only:
+        bs, T, dim, depth = (4, 16, 32, 2) if quick else (64, 128, 256, 4)
+        net = TransformerClassifier(vocab=1000, num_classes=10, dim=dim, depth=depth, heads=4, max_len=T)
+        batch = lambda: (torch.randint(0, 1000, (bs, T), device=device), torch.randint(0, 10, (bs,), device=device))
+        print(f"== transformer (dim {dim}, depth {depth}, batch {bs}x{T}) on {device}", flush=True)
+        results += bench_model(f"transformer b{bs}", net, batch, F.cross_entropy, AdaFisherW, device, reps, 1e-3, 1e-2)
+    if "flat" in only:
+        if args.flat is not None:
+            total = int(args.flat)
+        elif quick:
+            total = 1 << 20
+        elif device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            total = int(min(1e9, free / 40))  # p, g, states, caches, a reference F: < 40 B/element
+        else:
+            total = 1 << 24
+        width = 1024 if quick else 8192
+        print(f"== flat parameter set ({total / 1e6:.0f}M elements) on {device}", flush=True)
+        results += bench_flat(total, width, device, reps, 1e-3, 0.0)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = ratios(results)
+    record = {"provenance": provenance(device, raw_argv), "results": [asdict(r) for r in results], "ratios": summary}
+    (out / "bench.json").write_text(json.dumps(record, indent=2))
+    chart_note = plot(results, out / "bench.png")
+    print(table(results))
+    for wl, r in summary.items():
+        svs = "-" if r["step_vs_fused_adam"] is None else f"{r['step_vs_fused_adam']:.2f}x"
+        spd = "-" if r["speedup_vs_reference"] is None else f"{r['speedup_vs_reference']:.1f}x"
+        print(f"{wl}: {r['variant']} step = {svs} of torch fused Adam's, {spd} faster than reference")
+    print(f"wrote {out / 'bench.json'}" + (f"; {chart_note}" if chart_note else f" and {out / 'bench.png'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""A small pre-norm transformer classifier: LayerNorm and Linear layers (AdaFisherW's use case).
+
+Attention is written with plain Linear projections (not ``nn.MultiheadAttention``,
+whose packed projection weight is not an ``nn.Linear``) so every projection is
+preconditioned.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, mlp_ratio * dim), nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(att.transpose(1, 2).reshape(B, T, D))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TransformerClassifier(nn.Module):
+    """Tokens (or image patches) -> ``depth`` blocks -> mean pool -> classes."""
+
+    def __init__(self, vocab: int = 1000, num_classes: int = 10, dim: int = 256, depth: int = 4,
+                 heads: int = 4, max_len: int = 128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, max_len, dim))
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        return self.head(self.ln(self.blocks(x)).mean(1))
