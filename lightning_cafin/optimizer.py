@@ -121,6 +121,8 @@ class _AdaFisherBase(Optimizer):
         self._backend_name = "foreach"
         self._fallback = ForeachBackend()
         self._observers: list[StepObserver] = []
+        self._plans: dict[int, tuple] = {}
+        self._plan_epoch = 0
         #: process group whose ranks' statistics are summed on capture steps (None: the default group)
         self.statistics_group = None
 
@@ -151,6 +153,7 @@ class _AdaFisherBase(Optimizer):
         merged = {**self.defaults, **param_group}
         check_hyperparameters(*(merged[k] for k in ("lr", "beta", "gamma", "Lambda", "TCov", "weight_decay")))
         super().add_param_group(param_group)
+        self._replan()
         if self._model is not None:
             self._pair(self._model)
 
@@ -164,6 +167,7 @@ class _AdaFisherBase(Optimizer):
         """Switch the step implementation; state and factors carry over unchanged."""
         self._backend = make_backend(name)
         self._backend_name = name
+        self._replan()
 
     # ----------------------------------------------------------------- binding
     def bind(self, model: nn.Module, *, warn_on_takeover: bool = True) -> "_AdaFisherBase":
@@ -194,6 +198,7 @@ class _AdaFisherBase(Optimizer):
                 self._saved_factors[cap.name] = {"S": cap.S, "H": cap.H}
             detach(cap)
         self._captures, self._slots, self._model = {}, {}, None
+        self._replan()
 
     @property
     def is_bound(self) -> bool:
@@ -233,6 +238,7 @@ class _AdaFisherBase(Optimizer):
                     stacklevel=3,
                 )
         self._captures, self._slots = captures, slots
+        self._replan()
         self._restore_saved_factors()
         self._summary = None
 
@@ -385,10 +391,23 @@ class _AdaFisherBase(Optimizer):
 
         Normally one batch for the optimizer's backend; parameters the fused kernel
         cannot take (CPU, float64, non-contiguous) go to a ``foreach`` batch instead,
-        with one warning naming the first of them and why.
+        with one warning naming the first of them and why.  Everything but the
+        gradients is planned once and reused until something it depends on changes
+        (which parameters have gradients, the factors, the backend, the state).
         """
-        main = StepBatch([], [], [], [], [], self._factors_version)
-        spill = StepBatch([], [], [], [], [], self._factors_version)
+        params = group["params"]
+        key = (self._plan_epoch, self._factors_version, id(self._backend), tuple(p.grad is not None for p in params))
+        cached = self._plans.get(id(group))
+        if cached is None or cached[0] != key:
+            cached = (key, self._plan(group))
+            self._plans[id(group)] = cached
+        return [
+            (backend, StepBatch(ps, [p.grad for p in ps], ms, ks, vs, self._factors_version))
+            for backend, ps, ms, ks, vs in cached[1]
+        ]
+
+    def _plan(self, group: dict) -> list[tuple]:
+        routes = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -397,20 +416,25 @@ class _AdaFisherBase(Optimizer):
                     f"{type(self).__name__} does not support sparse gradients ({self._name(p)} has one); "
                     "use nn.Embedding(..., sparse=False) or a sparse optimizer for that parameter"
                 )
-            backend, batch = self._backend, main
+            backend = self._backend
             if backend.name == "fused":
                 why = fused_unsupported_reason(p, p.grad)
                 if why is not None:
                     self._warn_once("fused-fallback", f"{self._name(p)} is stepped by 'foreach': {why}")
-                    backend, batch = self._fallback, spill
+                    backend = self._fallback
             state = self.state[p]
             backend.init_state(p, state)
-            batch.params.append(p)
-            batch.grads.append(p.grad)
-            batch.exp_avgs.append(state["exp_avg"])
-            batch.steps.append(state["step"])
-            batch.views.append(self.fisher_view(p))
-        return [(b, x) for b, x in ((self._backend, main), (self._fallback, spill)) if x.params]
+            route = routes.setdefault(id(backend), (backend, [], [], [], []))
+            route[1].append(p)
+            route[2].append(state["exp_avg"])
+            route[3].append(state["step"])
+            route[4].append(self.fisher_view(p))
+        return list(routes.values())
+
+    def _replan(self) -> None:
+        """Forget the step plans (state, groups, binding or backend changed)."""
+        self._plan_epoch += 1
+        self._plans = {}
 
     # ---------------------------------------------------------- observation
     def add_step_observer(self, observer: "StepObserver") -> None:
@@ -447,6 +471,7 @@ class _AdaFisherBase(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop(_STATE_KEY, None)
         super().load_state_dict(copy.deepcopy(state_dict))
+        self._replan()
         if extra is None:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: the state dict holds no AdaFisher factors (saved by "

@@ -12,7 +12,8 @@ from lightning_cafin.data import DataNotFoundError, find_idx_files, load_idx_dat
 def write_idx(path, array, code=0x08, compress=False):
     header = bytes([0, 0, code, array.dim()]) + b"".join(struct.pack(">I", d) for d in array.shape)
     payload = header + array.numpy().astype(">u1" if code == 0x08 else ">i4").tobytes()
-    (gzip.open if compress else open)(path, "wb").write(payload)
+    with (gzip.open if compress else open)(path, "wb") as f:
+        f.write(payload)
 
 
 @pytest.mark.parametrize("compress", [False, True])
