@@ -13,6 +13,6 @@ fi
 echo "== installing lightning-cafin and its dependencies"
 python3 -m pip install -q -e .
 
-echo "== training (AdaFisher, small CNN, Fashion-MNIST)"
-LOGDIR="${LOGDIR:-lightning_logs/quickstart}"
-python3 examples/plain_pytorch.py --max-steps "${MAX_STEPS:-600}" --logdir "$LOGDIR" "$@"
+echo "== training (AdaFisher + CAFINCallback, small CNN, Fashion-MNIST)"
+LOGDIR="${LOGDIR:-lightning_logs}"
+python3 examples/lightning_module.py --max-steps "${MAX_STEPS:-600}" --logdir "$LOGDIR" "$@"

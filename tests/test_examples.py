@@ -21,3 +21,18 @@ def test_plain_pytorch_example_learns_and_logs(tmp_path):
     assert result["last_loss"] < 0.8 * result["first_loss"]
     assert result["accuracy"] > 0.5
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_lightning_example_learns_and_writes_the_cafin_dashboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = load("lightning_module").main(
+        ["--max-steps", "60", "--batch-size", "64", "--val-samples", "500", "--logdir", str(tmp_path)]
+    )
+    assert result["metrics"]["val/accuracy"] > 0.5
+    events = sorted(Path(result["log_dir"]).glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events[-1]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"cafin/step_ms", "cafin/divergence_rel", "train/loss", "val/accuracy"} <= tags
+    assert "custom_scalars__config__" in acc.Tags()["tensors"]
