@@ -20,12 +20,23 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .._conv import conv_output_hw, pad_like_conv
+import torch.nn.functional as F
+
+from .._conv import conv_output_hw, conv_padding, pad_like_conv
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
     """float64 stays float64; everything else (fp16, bf16, fp32) is summed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def sum_of_squares(x: Tensor, dims) -> Tensor:
+    """``sum(x**2)`` over ``dims`` in the statistics dtype, in one pass over ``x``.
+
+    A norm reduction reads ``x`` once and writes only the result: no squared copy and
+    no upcast copy of the activation is ever made (squaring the norm costs one rounding).
+    """
+    return torch.linalg.vector_norm(x, 2, dim=dims, dtype=stat_dtype(x)).square()
 
 
 @dataclass(frozen=True)
@@ -77,12 +88,12 @@ class LinearRule(LayerRule):
         return out
 
     def input_partial(self, module, x):
-        x = x.reshape(-1, x.shape[-1]).to(stat_dtype(x))
-        return x.square().sum(0), float(x.shape[0])
+        x = x.reshape(-1, x.shape[-1])
+        return sum_of_squares(x, 0), float(x.shape[0])
 
     def output_partial(self, module, s):
-        s = s.reshape(-1, s.shape[-1]).to(stat_dtype(s))
-        return s.square().sum(0), float(s.shape[0])
+        s = s.reshape(-1, s.shape[-1])
+        return sum_of_squares(s, 0), float(s.shape[0])
 
     def finalize(self, module, h, hn, s, sn):
         H = h / hn
@@ -121,10 +132,13 @@ class Conv2dRule(LayerRule):
             x = x.unsqueeze(0)
         B = x.shape[0]
         Ho, Wo = conv_output_hw(module, tuple(x.shape[-2:]))
-        x = pad_like_conv(module, x.to(stat_dtype(x)))
         g, (kh, kw) = module.groups, module.kernel_size
         (dh, dw), (sh, sw) = module.dilation, module.stride
-        sq = x.square().sum(0)  # (C, Hp, Wp)
+        if module.padding_mode == "zeros":
+            # zeros square to zeros: reduce the batch first, then pad the small map
+            sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, Hp, Wp)
+        else:  # reflect / replicate / circular padding repeats real values
+            sq = sum_of_squares(pad_like_conv(module, x), 0)
         sq = sq.reshape(g, -1, *sq.shape[-2:]).sum(0)  # pool the groups: (C/g, Hp, Wp)
         taps = [
             sq[:, ki * dh : ki * dh + (Ho - 1) * sh + 1 : sh, kj * dw : kj * dw + (Wo - 1) * sw + 1 : sw].sum((1, 2))
@@ -137,8 +151,7 @@ class Conv2dRule(LayerRule):
     def output_partial(self, module, s):
         if s.dim() == 3:
             s = s.unsqueeze(0)
-        s = s.to(stat_dtype(s))
-        return s.square().sum((0, 2, 3)), float(s.shape[0] * s.shape[2] * s.shape[3])
+        return sum_of_squares(s, (0, 2, 3)), float(s.shape[0] * s.shape[2] * s.shape[3])
 
     def finalize(self, module, h, hn, s, sn):
         H = h / hn
@@ -175,10 +188,10 @@ class BatchNorm2dRule(_TwoColumnRule):
     def input_partial(self, module, x):
         hw = x.shape[2] * x.shape[3]
         # quirk: divided by the squared spatial size
-        return x.to(stat_dtype(x)).sum((0, 2, 3)) / (hw**2), float(x.shape[0])
+        return x.sum((0, 2, 3), dtype=stat_dtype(x)) / (hw**2), float(x.shape[0])
 
     def output_partial(self, module, s):
-        return s.to(stat_dtype(s)).sum((0, 2, 3)), float(s.shape[0])
+        return s.sum((0, 2, 3), dtype=stat_dtype(s)), float(s.shape[0])
 
 
 class LayerNormRule(_TwoColumnRule):
@@ -197,10 +210,10 @@ class LayerNormRule(_TwoColumnRule):
         # quirk: reduce every dim except dim 1, not the normalised last dim
         dims = [d for d in range(x.dim()) if d != 1]
         dn = math.prod(x.shape[d] for d in dims if d != 0)
-        return x.to(stat_dtype(x)).sum(dims) / (dn**2), float(x.shape[0])
+        return x.sum(dims, dtype=stat_dtype(x)) / (dn**2), float(x.shape[0])
 
     def output_partial(self, module, s):
-        return s.to(stat_dtype(s)).sum(tuple(range(s.dim() - 1))), float(s.shape[0])
+        return s.sum(tuple(range(s.dim() - 1)), dtype=stat_dtype(s)), float(s.shape[0])
 
 
 RULES: tuple[LayerRule, ...] = (LinearRule(), Conv2dRule(), BatchNorm2dRule(), LayerNormRule())
