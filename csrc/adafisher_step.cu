@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <string>
 #include <limits>
 
 namespace lightning_cafin {
@@ -359,6 +360,18 @@ void launch_increment_kernels(const std::vector<at::Tensor>& steps,
   if (meta.n > 0) launch();
 }
 
+// Shapes and strides are formatted here rather than streamed as IntArrayRef: on one
+// toolchain (torch 2.11 built with another compiler than the extension) streaming an
+// ArrayRef into a TORCH_CHECK message crashed the process instead of raising.
+std::string dims_str(at::IntArrayRef dims) {
+  std::string out = "(";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(dims[i]);
+  }
+  return out + ")";
+}
+
 const char* kOp = "adafisher_step_: ";
 
 void check_same_list_size(size_t n, size_t got, const char* name) {
@@ -447,15 +460,15 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                 "] must be a float32 tensor with one element, got dtype ", s.scalar_type(),
                 " and ", s.numel(), " elements");
     TORCH_CHECK(p.is_contiguous(), kOp, "params[", i, "] must be contiguous (strides ",
-                p.strides(), ")");
+                dims_str(p.strides()), ")");
     TORCH_CHECK(g.is_contiguous(), kOp, "grads[", i, "] must be contiguous (strides ",
-                g.strides(), ")");
+                dims_str(g.strides()), ")");
     TORCH_CHECK(m.is_contiguous(), kOp, "exp_avgs[", i, "] must be contiguous (strides ",
-                m.strides(), ")");
-    TORCH_CHECK(g.sizes() == p.sizes(), kOp, "grads[", i, "] has shape ", g.sizes(),
-                " but params[", i, "] has shape ", p.sizes());
-    TORCH_CHECK(m.sizes() == p.sizes(), kOp, "exp_avgs[", i, "] has shape ", m.sizes(),
-                " but params[", i, "] has shape ", p.sizes());
+                dims_str(m.strides()), ")");
+    TORCH_CHECK(g.sizes() == p.sizes(), kOp, "grads[", i, "] has shape ", dims_str(g.sizes()),
+                " but params[", i, "] has shape ", dims_str(p.sizes()));
+    TORCH_CHECK(m.sizes() == p.sizes(), kOp, "exp_avgs[", i, "] has shape ", dims_str(m.sizes()),
+                " but params[", i, "] has shape ", dims_str(p.sizes()));
 
     Item it;
     it.p = p.data_ptr();
@@ -481,11 +494,11 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
       TORCH_CHECK(H.scalar_type() == at::kFloat, kOp, "H_list[", i, "] must be float32, got ",
                   H.scalar_type());
       TORCH_CHECK(S.dim() == 1 && S.is_contiguous(), kOp, "S_list[", i,
-                  "] must be a contiguous 1-D tensor, got shape ", S.sizes(), " strides ",
-                  S.strides());
+                  "] must be a contiguous 1-D tensor, got shape ", dims_str(S.sizes()), " strides ",
+                  dims_str(S.strides()));
       TORCH_CHECK(H.dim() == 1 && H.is_contiguous(), kOp, "H_list[", i,
-                  "] must be a contiguous 1-D tensor, got shape ", H.sizes(), " strides ",
-                  H.strides());
+                  "] must be a contiguous 1-D tensor, got shape ", dims_str(H.sizes()), " strides ",
+                  dims_str(H.strides()));
       const int64_t nc = ncols[i];
       const int64_t off = col_offsets[i];
       TORCH_CHECK(nc >= 1 && nc <= std::numeric_limits<int32_t>::max(), kOp, "ncols[", i,

@@ -345,7 +345,8 @@ class _AdaFisherBase(Optimizer):
 
     def _discard_pending(self) -> None:
         for cap in self._captures.values():
-            cap.take_pending()
+            if cap.pending.calls:
+                cap.take_pending()
 
     def _capture(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())
@@ -402,8 +403,8 @@ class _AdaFisherBase(Optimizer):
             cached = (key, self._plan(group))
             self._plans[id(group)] = cached
         return [
-            (backend, StepBatch(ps, [p.grad for p in ps], ms, ks, vs, self._factors_version))
-            for backend, ps, ms, ks, vs in cached[1]
+            (backend, StepBatch(ps, [p.grad for p in ps], ms, ks, vs, self._factors_version, (id(group), i) + key))
+            for i, (backend, ps, ms, ks, vs) in enumerate(cached[1])
         ]
 
     def _plan(self, group: dict) -> list[tuple]:

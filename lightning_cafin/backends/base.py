@@ -67,6 +67,9 @@ class StepBatch:
     steps: list[Tensor]
     views: list[Optional[FactorView]]
     factors_version: int = 0
+    #: set by the optimizer when everything but ``grads`` is the same as in an earlier
+    #: batch with the same key (a backend may then reuse what it derived from it)
+    plan_key: Optional[tuple] = None
 
 
 class StepBackend(ABC):

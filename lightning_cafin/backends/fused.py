@@ -105,7 +105,7 @@ class FusedBackend(StepBackend):
 
     # ------------------------------------------------------------------- step
     def _groups(self, batch: StepBatch) -> list[_Group]:
-        key = (
+        key = ("plan", batch.plan_key) if batch.plan_key is not None else (
             batch.factors_version,
             tuple(map(id, batch.params)),
             tuple(map(id, batch.exp_avgs)),
