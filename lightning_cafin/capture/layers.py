@@ -140,12 +140,9 @@ class Conv2dRule(LayerRule):
         else:  # reflect / replicate / circular padding repeats real values
             sq = sum_of_squares(pad_like_conv(module, x), 0)
         sq = sq.reshape(g, -1, *sq.shape[-2:]).sum(0)  # pool the groups: (C/g, Hp, Wp)
-        taps = [
-            sq[:, ki * dh : ki * dh + (Ho - 1) * sh + 1 : sh, kj * dw : kj * dw + (Wo - 1) * sw + 1 : sw].sum((1, 2))
-            for ki in range(kh)
-            for kj in range(kw)
-        ]
-        h = torch.stack(taps, dim=1).reshape(-1)  # (c, ki, kj) order, as the weight
+        # every tap's window sum at once: the patches of this small map, summed over positions
+        taps = F.unfold(sq[None], (kh, kw), dilation=(dh, dw), stride=(sh, sw))  # (1, C/g*kh*kw, Ho*Wo)
+        h = taps[0].sum(1)  # (c, ki, kj) order, as the weight
         return h, float(B * Ho * Wo * self._k(module))
 
     def output_partial(self, module, s):
