@@ -167,3 +167,47 @@ def test_bad_callback_arguments():
         CAFINCallback(on_divergence="ignore")
     with pytest.raises(ValueError, match="divergence_every_n_steps must be >= 0"):
         CAFINCallback(divergence_every_n_steps=-1)
+
+
+class TwoOptimizers(Module):
+    """A backbone on AdaFisher and a head on AdaFisherW, stepped by hand."""
+
+    def __init__(self):
+        super().__init__(manual=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        for opt in self.optimizers():
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        body = [p for n, p in self.named_parameters() if not n.startswith("net.6.")]
+        return [AdaFisher(body, TCov=5, backend="foreach"), AdaFisherW(self.net[6].parameters(), TCov=5, backend="foreach")]
+
+
+def test_several_optimizers_are_bound_and_logged_apart(tmp_path):
+    model = TwoOptimizers()
+    t = trainer(tmp_path, CAFINCallback(backend="foreach", divergence_every_n_steps=4), max_steps=8)
+    t.fit(model, loader())
+    a, b = t.optimizers
+    # unbound at teardown; the factors each one learnt are kept by layer name
+    assert set(a._saved_factors) == {"net.0", "net.1", "net.4", "net.5"} and set(b._saved_factors) == {"net.6"}
+    assert a.health["capture_steps"] == b.health["capture_steps"] == 1
+    scalars, _ = read_scalars(tmp_path)
+    for suffix in ("/opt0", "/opt1"):
+        assert f"cafin/step_ms{suffix}" in scalars and f"cafin/divergence_rel{suffix}" in scalars
+
+
+def test_gradient_clipping_where_lightning_allows_it(tmp_path):
+    model = Module()
+    t = trainer(tmp_path, CAFINCallback(backend="foreach", divergence_every_n_steps=0), max_steps=6,
+                gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
+    t.fit(model, loader())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) <= 1e-3 * 1.01
+    assert t.optimizers[0].health["capture_steps"] == 2
