@@ -19,5 +19,6 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     eager = [r for r in rows if "Fisher" in r["variant"] and "graph" not in r["variant"] and "flat" not in r["workload"]]
     assert eager and all(r["capture_ms"] is not None for r in eager)
     assert set(record["ratios"]) == {r["workload"] for r in rows}
+    assert (tmp_path / "bench.png").stat().st_size > 0  # matplotlib is a dev dependency
     out = capsys.readouterr().out
     assert "step_ms" in out and "faster than reference" in out
