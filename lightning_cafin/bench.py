@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -236,9 +238,13 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
 
 
 def provenance(device: torch.device, argv: list[str]) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
+    commit = os.environ.get("CAFIN_COMMIT", "")  # a copied tree without git history names it here
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        except Exception:
+            commit = ""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
         commit = ""
     return {
         "command": "python -m lightning_cafin.bench " + " ".join(argv),
