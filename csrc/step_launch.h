@@ -1,0 +1,46 @@
+// Host/device boundary of the fused step: plain structs and two launchers.
+//
+// The op itself (argument checks, building the work list) lives in the g++-compiled
+// adafisher_step_op.cpp and only calls these; the .cu holds kernels and launchers and
+// throws nothing.  On the GPU machine's toolchain an exception thrown from
+// nvcc-compiled host code crashed the process instead of reaching Python.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lightning_cafin {
+
+struct StepItem {
+  void* p;
+  const void* g;
+  void* m;
+  const float* S;  // nullptr: no factors (F = 1)
+  const float* H;  // already advanced by the parameter's col_offset
+  const float* step;
+  int64_t numel;
+  int32_t ncols;
+};
+
+struct StepScalars {
+  double lr;
+  double beta;
+  float lr_f;
+  float beta_f;
+  float one_minus_beta_f;
+  float lambda_f;
+  float wd_f;
+  int decoupled;
+  int has_wd;
+};
+
+void launch_adafisher_step(const StepItem* items, size_t n, at::ScalarType pdtype, at::ScalarType mdtype,
+                           const StepScalars& sc, const float* grad_scale, const float* found_inf,
+                           cudaStream_t stream);
+
+void launch_step_increments(float* const* steps, size_t n, const float* found_inf, cudaStream_t stream);
+
+}  // namespace lightning_cafin
