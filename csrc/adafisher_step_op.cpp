@@ -15,9 +15,10 @@
 namespace lightning_cafin {
 namespace {
 
-// Shapes and strides are formatted here rather than streamed as IntArrayRef: on one
-// toolchain (torch 2.11 built with another compiler than the extension) streaming an
-// ArrayRef into a TORCH_CHECK message crashed the process instead of raising.
+// Shapes and strides are formatted here rather than streamed as IntArrayRef, and indices
+// are int64_t: on the GPU machine's toolchain (torch 2.11, /opt/gcc) every failed check
+// whose message carried a size_t index crashed the process instead of raising, while a
+// message without one raised cleanly.  That cause is a hypothesis not yet confirmed there.
 std::string dims_str(at::IntArrayRef dims) {
   std::string out = "(";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -29,11 +30,11 @@ std::string dims_str(at::IntArrayRef dims) {
 
 const char* kOp = "adafisher_step_: ";
 
-void check_same_list_size(size_t n, size_t got, const char* name) {
+void check_same_list_size(int64_t n, int64_t got, const char* name) {
   TORCH_CHECK(got == n, kOp, name, " has ", got, " entries but params has ", n);
 }
 
-void check_dense(const at::Tensor& t, const char* name, size_t i, const c10::Device& device) {
+void check_dense(const at::Tensor& t, const char* name, int64_t i, const c10::Device& device) {
   TORCH_CHECK(t.defined(), kOp, name, "[", i, "] is undefined (None)");
   TORCH_CHECK(t.is_cuda(), kOp, name, "[", i, "] must be a CUDA tensor, got a tensor on ",
               t.device());
@@ -70,7 +71,8 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      bool decoupled,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf) {
-  const size_t n = params.size();
+  // Indices are int64_t, not size_t, in every message (see the note in dims_str).
+  const int64_t n = static_cast<int64_t>(params.size());
   check_same_list_size(n, grads.size(), "grads");
   check_same_list_size(n, exp_avgs.size(), "exp_avgs");
   check_same_list_size(n, steps.size(), "steps");
@@ -95,7 +97,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
 
   std::vector<StepItem> items;
   items.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
     const at::Tensor& m = exp_avgs[i];
