@@ -22,19 +22,13 @@ from torch.optim import Optimizer
 from ._validation import check_hyperparameters, reject_unknown_kwargs
 from .backends import BACKEND_NAMES, FactorView, StepBackend, StepBatch, StepHyper, make_backend
 from .backends.foreach import ForeachBackend
+from .backends.fused import unsupported_reason as fused_unsupported_reason
 from .capture.distributed import all_reduce_pending
 from .capture.factors import update_factors
 from .capture.hooks import LayerCapture, attach, detach
 from .capture.layers import ParamSlot, rule_for
 
 log = logging.getLogger("lightning_cafin")
-
-
-def fused_unsupported_reason(p: Tensor, grad: Optional[Tensor]) -> Optional[str]:
-    """Why the fused kernel cannot step ``p`` (``None``: it can)."""
-    from .backends.fused import unsupported_reason
-
-    return unsupported_reason(p, grad)
 
 _STATE_KEY = "cafin"
 _STATE_FORMAT = 1
@@ -118,7 +112,6 @@ class _AdaFisherBase(Optimizer):
             "params_f_one": 0,
         }
         self._backend: StepBackend = ForeachBackend()
-        self._backend_name = "foreach"
         self._fallback = ForeachBackend()
         self._observers: list[StepObserver] = []
         self._plans: dict[int, tuple] = {}
@@ -166,7 +159,6 @@ class _AdaFisherBase(Optimizer):
     def set_backend(self, name: str) -> None:
         """Switch the step implementation; state and factors carry over unchanged."""
         self._backend = make_backend(name)
-        self._backend_name = name
         self._replan()
 
     # ----------------------------------------------------------------- binding
