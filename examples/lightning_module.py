@@ -15,22 +15,18 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_cafin import AdaFisher, CAFINCallback
 from lightning_cafin.data import load_idx_dataset
+from lightning_cafin.models import SmallCNN
 
 
 class FashionCNN(LightningModule):
     def __init__(self, lr: float = 1e-3, weight_decay: float = 5e-4):
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(inplace=True), nn.Linear(128, 10),
-        )
+        self.net = SmallCNN(num_classes=10, in_channels=1)
 
     def forward(self, x):
         return self.net(x)

@@ -20,14 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from lightning_cafin import AdaFisher, AdaFisherW
 from lightning_cafin.data import load_idx_dataset
-
-
-def small_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(inplace=True), nn.Linear(128, 10),
-    )
+from lightning_cafin.models import SmallCNN
 
 
 @torch.no_grad()
@@ -61,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train = DataLoader(load_idx_dataset("fashion-mnist", "train", args.data_root), args.batch_size, shuffle=True, drop_last=True)
     test = DataLoader(load_idx_dataset("fashion-mnist", "test", args.data_root), 1000)
-    model = small_cnn().to(device)
+    model = SmallCNN(num_classes=10, in_channels=1).to(device)
     opt_cls = AdaFisher if args.optimizer == "AdaFisher" else AdaFisherW
     opt = opt_cls(model, lr=args.lr, weight_decay=5e-4, backend=args.backend)
     writer = SummaryWriter(args.logdir)

@@ -30,11 +30,11 @@ class DataNotFoundError(FileNotFoundError):
 
 
 def read_idx(path: Union[str, Path]) -> torch.Tensor:
-    """Read one IDX file (``.gz`` or plain) into a tensor of its stored dtype and shape."""
+    """Read one IDX file (gzip-compressed or plain, told by its content) into a tensor of its dtype and shape."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":  # the gzip magic number, whatever the file is called
+        data = gzip.decompress(data)
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number {data[:4]!r})")
     ndim = data[3]

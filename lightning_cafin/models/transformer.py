@@ -30,7 +30,7 @@ class Block(nn.Module):
 
 
 class TransformerClassifier(nn.Module):
-    """Tokens (or image patches) -> ``depth`` blocks -> mean pool -> classes."""
+    """Tokens -> ``depth`` blocks -> mean pool -> classes."""
 
     def __init__(self, vocab: int = 1000, num_classes: int = 10, dim: int = 256, depth: int = 4,
                  heads: int = 4, max_len: int = 128):
@@ -43,4 +43,34 @@ class TransformerClassifier(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        return self.head(self.ln(self.blocks(x)).mean(1))
+
+
+class ImageTransformer(nn.Module):
+    """Images cut into ``patch_size`` squares, each projected by a Linear layer, then ``depth`` blocks.
+
+    A vision transformer small enough for a CPU: Fashion-MNIST with 7x7 patches is a
+    sequence of 16 tokens.  Every projection (patch embedding included) is an
+    ``nn.Linear`` and every norm a ``LayerNorm``, so AdaFisherW preconditions them all.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, image_size: int = 28, patch_size: int = 7,
+                 dim: int = 128, depth: int = 4, heads: int = 4):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+        self.patch_size = patch_size
+        tokens = (image_size // patch_size) ** 2
+        self.embed = nn.Linear(in_channels * patch_size * patch_size, dim)
+        self.pos = nn.Parameter(torch.randn(1, tokens, dim) * 0.02)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        p = self.patch_size
+        patches = F.unfold(images, p, stride=p).transpose(1, 2)  # (B, tokens, C*p*p)
+        x = self.embed(patches) + self.pos
         return self.head(self.ln(self.blocks(x)).mean(1))
