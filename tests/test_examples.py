@@ -36,3 +36,20 @@ def test_lightning_example_learns_and_writes_the_cafin_dashboard(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"cafin/step_ms", "cafin/divergence_rel", "train/loss", "val/accuracy"} <= tags
     assert "custom_scalars__config__" in acc.Tags()["tensors"]
+
+
+def test_yaml_route_example_learns_and_writes_the_cafin_dashboard(tmp_path, monkeypatch, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_cafin.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    rc = main(["fit", "--config", str(EXAMPLES / "yaml_route.yaml"), "--trainer.max_steps=60",
+               "--trainer.val_check_interval=30", "--data.init_args.val_subset=500"])
+    assert rc == 0
+    assert "TensorBoard logs:" in capsys.readouterr().out
+    events = sorted((tmp_path / "lightning_logs").glob("cafin/version_0/events.out.tfevents.*"))
+    acc = EventAccumulator(str(events[-1]))
+    acc.Reload()
+    assert {"cafin/step_ms", "train/loss", "val/accuracy"} <= set(acc.Tags()["scalars"])
+    assert acc.Scalars("val/accuracy")[-1].value > 0.5
