@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine and runs the main job: a short real training run of AdaFisher
-# on Fashion-MNIST with TensorBoard logs.  Safe to run again (installs are skipped when present).
+# Sets up a fresh machine and runs the main job: the quick start config, a short real training
+# run of AdaFisher on Fashion-MNIST with TensorBoard logs (the last lines say where they are).  Safe to run again (installs are skipped when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +13,6 @@ fi
 echo "== installing lightning-cafin and its dependencies"
 python3 -m pip install -q -e .
 
-echo "== training (AdaFisher + CAFINCallback, small CNN, Fashion-MNIST)"
-LOGDIR="${LOGDIR:-lightning_logs}"
-python3 examples/lightning_module.py --max-steps "${MAX_STEPS:-600}" --logdir "$LOGDIR" "$@"
+echo "== training: cafin fit --config configs/quickstart.yaml (AdaFisher + CAFINCallback, small CNN, Fashion-MNIST)"
+# Extra arguments are LightningCLI overrides, e.g. --trainer.max_steps=200
+python3 -m lightning_cafin.cli fit --config configs/quickstart.yaml "$@"
