@@ -167,3 +167,11 @@ def test_console_script_is_installed_and_shows_the_subcommands():
     assert out.returncode == 0
     for sub in ("fit", "validate", "test"):
         assert sub in out.stdout
+
+
+@needs_fashion
+@pytest.mark.parametrize("subcommand, metric", [("validate", "val/accuracy"), ("test", "test/accuracy")])
+def test_validate_and_test_subcommands(workdir, subcommand, metric):
+    cli = CafinCLI(args=[subcommand, "--config", str(REPO / "configs" / "quickstart.yaml"),
+                         f"--trainer.limit_{'val' if subcommand == 'validate' else 'test'}_batches=2"])
+    assert 0.0 <= float(cli.trainer.callback_metrics[metric]) <= 1.0
