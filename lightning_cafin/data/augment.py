@@ -24,12 +24,15 @@ def random_crop_flip(x: Tensor, padding: int = 4, flip: bool = True,
         raise ValueError(f"padding must be >= 0, got {padding}")
     padded = F.pad(x, (padding, padding, padding, padding))
     dev = x.device
-    oy = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device="cpu").to(dev)
-    ox = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device="cpu").to(dev)
+    # Offsets are drawn where the batch lives (no host round trip per batch on a GPU) unless
+    # a generator is given, whose device then decides.
+    rng = generator.device if generator is not None else dev
+    oy = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=rng).to(dev)
+    ox = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator, device=rng).to(dev)
     rows = oy + torch.arange(h, device=dev)  # (N, H)
     cols = ox + torch.arange(w, device=dev)  # (N, W)
     if flip:
-        mirrored = torch.rand(n, 1, generator=generator, device="cpu").to(dev) < 0.5
+        mirrored = torch.rand(n, 1, generator=generator, device=rng).to(dev) < 0.5
         cols = torch.where(mirrored, cols.flip(1), cols)
     batch = torch.arange(n, device=dev)[:, None, None]
     # advanced indexing over (N, H, W) with the channel slice kept: result (N, H, W, C)

@@ -26,7 +26,8 @@ from .idx import find_idx_files, read_idx
 #: Where ``download=True`` puts files when no ``root`` is given.
 DEFAULT_DOWNLOAD_ROOT = Path("data")
 
-_IDX_STATS = {"fashion-mnist": ((0.2860,), (0.3530,)), "mnist": ((0.1307,), (0.3081,))}
+#: Per-dataset (mean, std) of the training images, for normalisation.
+IDX_STATS = {"fashion-mnist": ((0.2860,), (0.3530,)), "mnist": ((0.1307,), (0.3081,))}
 
 
 def _positive(name: str, value: Optional[int], allow_none: bool = True) -> None:
@@ -155,12 +156,12 @@ class IDXDataModule(_InMemoryImageDataModule):
                  batch_size: int = 128, eval_batch_size: Optional[int] = None, val_size: int = 0,
                  train_subset: Optional[int] = None, val_subset: Optional[int] = None, augment: bool = False,
                  normalize: bool = True, download: bool = False, num_workers: int = 0, seed: int = 0) -> None:
-        if dataset not in _IDX_STATS:
+        if dataset not in IDX_STATS:
             raise ValueError(f"dataset must be 'fashion-mnist' or 'mnist', got {dataset!r}")
         super().__init__(root, batch_size, eval_batch_size, val_size, train_subset, val_subset, augment, normalize,
                          download, num_workers, seed)
         self.dataset = dataset
-        self.mean, self.std = _IDX_STATS[dataset]
+        self.mean, self.std = IDX_STATS[dataset]
 
     def _fetch(self, root: Path) -> None:
         try:

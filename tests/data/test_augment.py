@@ -53,3 +53,13 @@ def test_normalize_per_channel():
     x = torch.rand(2, 3, 4, 4)
     y = normalize(x, (0.1, 0.2, 0.3), (0.5, 1.0, 2.0))
     assert torch.allclose(y[:, 2], (x[:, 2] - 0.3) / 2.0)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_offsets_are_drawn_there_and_windows_are_right():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = torch.rand(32, 3, 8, 8, device="cuda") + 0.1
+    y = random_crop_flip(x, padding=2)
+    assert y.device == x.device
+    assert all(_source_of(y[i].cpu(), x[i].cpu(), 2) is not None for i in range(len(x)))

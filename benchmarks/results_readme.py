@@ -1,0 +1,161 @@
+"""Write the README's results section from the measured files in ``docs/results/`` (never by hand).
+
+    python benchmarks/results_readme.py            # rewrite the section between the markers
+    python benchmarks/results_readme.py --check    # exit 1 if the README is not what the files say
+
+Inputs: the benchmark's JSON (``python -m lightning_cafin.bench``) and the convergence
+study's ``convergence.json`` (``benchmarks/convergence.py``).  A file whose ``provenance``
+block lacks any of command, commit, machine, torch or date is refused: a figure without
+its origin does not go into the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lightning_cafin.provenance import REQUIRED_FIELDS
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+DEFAULT_BENCH = REPO / "docs" / "results" / "bench-h200.json"
+DEFAULT_CONVERGENCE = REPO / "docs" / "results" / "convergence-h200" / "convergence.json"
+
+
+class ProvenanceError(ValueError):
+    """A results file does not say where it came from."""
+
+
+def load_measured(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    prov = data.get("provenance")
+    if not isinstance(prov, dict):
+        raise ProvenanceError(f"{path} has no 'provenance' block; re-run the tool that wrote it")
+    missing = [k for k in REQUIRED_FIELDS if not prov.get(k) or prov.get(k) == "unknown"]
+    if missing:
+        raise ProvenanceError(f"{path}: provenance lacks {', '.join(missing)}; re-run the tool that wrote it "
+                              "(from a git checkout, or with CAFIN_COMMIT set)")
+    return data
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _source(path: Path, prov: dict) -> str:
+    return (f"Source: `{_rel(path)}`, measured on {prov['machine']} (torch {prov['torch']}) at commit "
+            f"`{prov['commit'][:12]}` on {prov['date']} by `{prov['command']}`.")
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def bench_section(path: Path) -> str:
+    data = load_measured(path)
+    rows = data["results"]
+    lines = ["### Optimizer step, capture cost and memory", "",
+             "Medians of one run; `vs fused Adam` is the step time over torch's fused Adam/AdamW step on the "
+             "same workload, `vs reference` how many times faster than the `reference` backend.", "",
+             "| workload | variant | step ms | vs fused Adam | vs reference | capture ms | temp MB | state MB "
+             "| of copy BW |", "|---|---|---|---|---|---|---|---|---|"]
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        group = [r for r in rows if r["workload"] == workload]
+        adam = next((r["step_ms"] for r in group if r["variant"] in ("Adam(fused)", "AdamW(fused)")), None)
+        ref = next((r["step_ms"] for r in group if r["variant"].endswith("[reference]")), None)
+        for r in group:
+            vs_adam = r["step_ms"] / adam if adam and r["step_ms"] else None
+            vs_ref = ref / r["step_ms"] if ref and r["step_ms"] and "AdaFisher" in r["variant"] else None
+            lines.append(
+                f"| {workload} | {r['variant']} | {_fmt(r['step_ms'], '.3f')} | {_fmt(vs_adam, '.2f', 'x')} | "
+                f"{_fmt(vs_ref, '.1f', 'x')} | {_fmt(r.get('capture_ms'), '.2f')} | {_fmt(r.get('temp_mb'), '.1f')} | "
+                f"{_fmt(r.get('state_mb'), '.1f')} | {_fmt(r.get('of_copy'), '.3f')} |"
+            )
+    lines += ["", _source(path, data["provenance"])]
+    return "\n".join(lines)
+
+
+def convergence_section(path: Path) -> str:
+    data = load_measured(path)
+    cfg = data["config"]
+    size = cfg.get("train_size") or 60000
+    lines = ["### Convergence: ResNet-18 on Fashion-MNIST", "",
+             f"{cfg['epochs']} epochs, batch {cfg['batch_size']}, cosine schedule, {size:,} training images; "
+             f"test accuracy on {cfg.get('test_size') or 10000:,} images; time to {cfg['target_accuracy']:.0%} "
+             "test accuracy counts training time only.", "",
+             "| optimizer | final test accuracy (mean ± std) | seeds | epoch s (median) | time to target s "
+             "| optimizer step share |", "|---|---|---|---|---|---|"]
+    for name, s in data["summary"].items():
+        target = (f"{s['time_to_target_s_mean']:.1f} ({s['runs_reaching_target']}/{len(s['seeds'])} runs)"
+                  if s["time_to_target_s_mean"] is not None else "not reached")
+        lines.append(f"| {name} | {s['final_test_accuracy_mean']:.4f} ± {s['final_test_accuracy_std']:.4f} | "
+                     f"{len(s['seeds'])} | {s['epoch_s_median']:.2f} | {target} | {s['step_share_mean']:.1%} |")
+    for name, a in data.get("agreement", {}).items():
+        lines += ["", f"{name} against {a['against']}: mean difference {a['mean_difference']:+.4f}, tolerance "
+                  f"{a['tolerance']:.4f} ({data.get('agreement_rule', '')}): "
+                  f"**{'agree' if a['agree'] else 'DO NOT AGREE'}**."]
+    png = path.with_suffix(".png")
+    if png.is_file():
+        lines += ["", f"![convergence curves]({_rel(png)})"]
+    lines += ["", _source(path, data["provenance"])]
+    return "\n".join(lines)
+
+
+def results_section(bench: Path, convergence: Path) -> str:
+    parts = [BEGIN, "## Results", "",
+             "_Generated by `python benchmarks/results_readme.py` from the files named below; do not edit._", "",
+             bench_section(bench), ""]
+    if convergence.is_file():
+        parts.append(convergence_section(convergence))
+    else:
+        parts.append(f"No convergence study is committed yet (`{_rel(convergence)}`: "
+                     "run `python benchmarks/convergence.py --out docs/results/convergence-h200` on a GPU).")
+    parts.append(END)
+    return "\n".join(parts)
+
+
+def splice(readme: str, section: str) -> str:
+    if BEGIN in readme and END in readme:
+        head, rest = readme.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        return head + section + tail
+    anchor = "\n## Layout"
+    if anchor in readme:
+        head, tail = readme.split(anchor, 1)
+        return head.rstrip("\n") + "\n\n" + section + "\n" + anchor + tail
+    return readme.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", type=Path, default=DEFAULT_BENCH)
+    ap.add_argument("--convergence", type=Path, default=DEFAULT_CONVERGENCE)
+    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--check", action="store_true", help="do not write; exit 1 if the README is out of date")
+    args = ap.parse_args(argv)
+    try:
+        section = results_section(args.bench, args.convergence)
+    except ProvenanceError as exc:
+        print(f"results_readme: {exc}", file=sys.stderr)
+        return 2
+    current = args.readme.read_text()
+    wanted = splice(current, section)
+    if args.check:
+        if wanted != current:
+            print(f"{args.readme} is out of date with the results files: run python benchmarks/results_readme.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    args.readme.write_text(wanted)
+    print(f"wrote the results section of {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

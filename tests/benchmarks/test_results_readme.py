@@ -1,0 +1,67 @@
+"""The README's results section: generated from measured files, refused without provenance."""
+
+import json
+
+import pytest
+
+from .scripts import BENCHMARKS, load
+from .test_convergence import _fake_run
+
+readme = load("results_readme")
+study = load("convergence")
+
+
+def _convergence_file(tmp_path):
+    out = tmp_path / "conv"
+    (out / "runs").mkdir(parents=True)
+    for seed in range(3):
+        for name, acc in (("adafisher-fused", 0.91 + seed / 1000), ("adafisher-reference", 0.912), ("adam", 0.9)):
+            (out / "runs" / f"{name}-seed{seed}.json").write_text(json.dumps(_fake_run(name, seed, acc)))
+    assert study.main(["--out", str(out), "--report-only"]) == 0
+    return out / "convergence.json"
+
+
+def test_the_committed_readme_matches_the_committed_results():
+    assert readme.main(["--check"]) == 0
+
+
+def test_study_output_is_accepted_and_rendered(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAFIN_COMMIT", "b" * 40)
+    conv = _convergence_file(tmp_path)
+    target = tmp_path / "README.md"
+    target.write_text("# x\n\n## Layout\n\nstuff\n")
+    assert readme.main(["--convergence", str(conv), "--readme", str(target)]) == 0
+    text = target.read_text()
+    assert text.index(readme.BEGIN) < text.index("## Layout")
+    assert "| adafisher-fused | 0.9110 ± 0.0010 | 3 |" in text
+    assert "adafisher-fused against adafisher-reference" in text and "**agree**" in text
+    assert "AdaFisher[fused+graph]" in text  # the committed benchmark's rows
+    once = target.read_text()
+    assert readme.main(["--convergence", str(conv), "--readme", str(target)]) == 0
+    assert target.read_text() == once, "regenerating is idempotent"
+    assert readme.main(["--convergence", str(conv), "--readme", str(target), "--check"]) == 0
+    target.write_text(once.replace("0.9110", "0.9999"))
+    assert readme.main(["--convergence", str(conv), "--readme", str(target), "--check"]) == 1
+
+
+@pytest.mark.parametrize("missing", ["command", "commit", "machine", "torch", "date"])
+def test_files_missing_a_provenance_field_are_refused(tmp_path, capsys, missing):
+    data = json.loads((BENCHMARKS.parent / "docs" / "results" / "bench-h200.json").read_text())
+    del data["provenance"][missing]
+    bad = tmp_path / "bench.json"
+    bad.write_text(json.dumps(data))
+    target = tmp_path / "README.md"
+    target.write_text("# x\n")
+    assert readme.main(["--bench", str(bad), "--readme", str(target)]) == 2
+    assert f"provenance lacks {missing}" in capsys.readouterr().err
+    assert target.read_text() == "# x\n", "nothing written"
+
+
+def test_unknown_commit_and_no_block_are_refused(tmp_path):
+    data = {"provenance": {"command": "c", "commit": "unknown", "machine": "m", "torch": "t", "date": "d"}}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(readme.ProvenanceError, match="commit"):
+        readme.load_measured(tmp_path / "a.json")
+    (tmp_path / "b.json").write_text(json.dumps({"results": []}))
+    with pytest.raises(readme.ProvenanceError, match="no 'provenance' block"):
+        readme.load_measured(tmp_path / "b.json")
