@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU machine's evidence run: build the extension, run the quick start through the cafin CLI
+# (the fused step on a GPU), then the convergence study; logs and results under $OUT.
+# Carry: data (the Fashion-MNIST .gz files in data/fashion-mnist) and vendor (scripts/vendor_wheels.sh).
+# Env: STUDY_ARGS (e.g. "--epochs 5"), QUICKSTART=0 to skip the quick start.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export CAFIN_DATA_DIR="${CAFIN_DATA_DIR:-$PWD/data/fashion-mnist}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d vendor ] && ! python3 -c "import jsonargparse" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links vendor "jsonargparse[signatures]" > "$OUT/vendor.log" 2>&1
+  echo "vendored wheels rc=$?"
+fi
+python3 -m lightning_cafin.kernels.loader --build > "$OUT/build.log" 2>&1; echo "build rc=$?"
+if [ "${QUICKSTART:-1}" = 1 ]; then
+  python3 -m lightning_cafin.cli fit --config configs/quickstart.yaml \
+      --trainer.logger.init_args.save_dir="$OUT/lightning_logs" --trainer.enable_progress_bar=false \
+      > "$OUT/quickstart.log" 2>&1
+  echo "quickstart rc=$?"; grep -E "backend|TensorBoard|Error" "$OUT/quickstart.log" | head -5
+fi
+python3 benchmarks/convergence.py --out "$OUT/convergence-h200" ${STUDY_ARGS:-} 2>&1 | tee "$OUT/study.log" | tail -12
