@@ -15,10 +15,18 @@
 namespace lightning_cafin {
 namespace {
 
-// Shapes and strides are formatted here rather than streamed as IntArrayRef, and indices
-// are int64_t: on the GPU machine's toolchain (torch 2.11, /opt/gcc) every failed check
-// whose message carried a size_t index crashed the process instead of raising, while a
-// message without one raised cleanly.  That cause is a hypothesis not yet confirmed there.
+// Numbers in check messages are formatted with std::to_string, never streamed.  On the
+// GPU machine's toolchain (torch 2.11, extension built by /opt/gcc) the extension carries
+// its own copy of std::ostream::_M_insert<long>; streaming any integer or double into
+// c10::str's ostringstream jumped through a mismatched locale facet and segfaulted (seen
+// under cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> inside lightning_cafin_C.so,
+// called from adafisher_step_), so every failed check that carried a number crashed the
+// process instead of raising.  Strings and const char* are streamed safely.
+template <typename T>
+std::string num(T v) {
+  return std::to_string(v);
+}
+
 std::string dims_str(at::IntArrayRef dims) {
   std::string out = "(";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -31,23 +39,23 @@ std::string dims_str(at::IntArrayRef dims) {
 const char* kOp = "adafisher_step_: ";
 
 void check_same_list_size(int64_t n, int64_t got, const char* name) {
-  TORCH_CHECK(got == n, kOp, name, " has ", got, " entries but params has ", n);
+  TORCH_CHECK(got == n, kOp, name, " has ", num(got), " entries but params has ", num(n));
 }
 
 void check_dense(const at::Tensor& t, const char* name, int64_t i, const c10::Device& device) {
-  TORCH_CHECK(t.defined(), kOp, name, "[", i, "] is undefined (None)");
-  TORCH_CHECK(t.is_cuda(), kOp, name, "[", i, "] must be a CUDA tensor, got a tensor on ",
+  TORCH_CHECK(t.defined(), kOp, name, "[", num(i), "] is undefined (None)");
+  TORCH_CHECK(t.is_cuda(), kOp, name, "[", num(i), "] must be a CUDA tensor, got a tensor on ",
               t.device());
-  TORCH_CHECK(t.device() == device, kOp, name, "[", i, "] is on ", t.device(),
-              " but params[0] is on ", device, "; call the op once per device");
+  TORCH_CHECK(t.device() == device, kOp, name, "[", num(i), "] is on ", t.device().str(),
+              " but params[0] is on ", device.str(), "; call the op once per device");
 }
 
 void check_scalar_f32(const at::Tensor& t, const char* name, const c10::Device& device) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, kOp, name, " must be on ", device,
-              ", got a tensor on ", t.device());
+  TORCH_CHECK(t.is_cuda() && t.device() == device, kOp, name, " must be on ", device.str(),
+              ", got a tensor on ", t.device().str());
   TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, name, " must be float32, got ",
               t.scalar_type());
-  TORCH_CHECK(t.numel() == 1, kOp, name, " must have exactly one element, got ", t.numel());
+  TORCH_CHECK(t.numel() == 1, kOp, name, " must have exactly one element, got ", num(t.numel()));
 }
 
 bool supported_param_dtype(at::ScalarType s) {
@@ -80,12 +88,12 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
   check_same_list_size(n, H_list.size(), "H_list");
   check_same_list_size(n, col_offsets.size(), "col_offsets");
   check_same_list_size(n, ncols.size(), "ncols");
-  TORCH_CHECK(beta >= 0.0 && beta < 1.0, kOp, "beta must lie in [0, 1), got ", beta);
+  TORCH_CHECK(beta >= 0.0 && beta < 1.0, kOp, "beta must lie in [0, 1), got ", num(beta));
   if (n == 0) return;
 
   TORCH_CHECK(params[0].defined(), kOp, "params[0] is undefined (None)");
   TORCH_CHECK(params[0].is_cuda(), kOp, "params[0] must be a CUDA tensor, got a tensor on ",
-              params[0].device());
+              params[0].device().str());
   const c10::Device device = params[0].device();
   const at::ScalarType pdtype = params[0].scalar_type();
   TORCH_CHECK(supported_param_dtype(pdtype), kOp,
@@ -106,26 +114,26 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     check_dense(g, "grads", i, device);
     check_dense(m, "exp_avgs", i, device);
     check_dense(s, "steps", i, device);
-    TORCH_CHECK(p.scalar_type() == pdtype, kOp, "params[", i, "] has dtype ", p.scalar_type(),
+    TORCH_CHECK(p.scalar_type() == pdtype, kOp, "params[", num(i), "] has dtype ", p.scalar_type(),
                 " but params[0] has ", pdtype, "; group tensors by dtype");
-    TORCH_CHECK(g.scalar_type() == pdtype, kOp, "grads[", i, "] has dtype ", g.scalar_type(),
-                " but params[", i, "] has ", pdtype);
-    TORCH_CHECK(m.scalar_type() == mdtype, kOp, "exp_avgs[", i, "] has dtype ",
+    TORCH_CHECK(g.scalar_type() == pdtype, kOp, "grads[", num(i), "] has dtype ", g.scalar_type(),
+                " but params[", num(i), "] has ", pdtype);
+    TORCH_CHECK(m.scalar_type() == mdtype, kOp, "exp_avgs[", num(i), "] has dtype ",
                 m.scalar_type(), " but exp_avgs[0] has ", mdtype,
                 "; group tensors by momentum dtype");
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, kOp, "steps[", i,
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, kOp, "steps[", num(i),
                 "] must be a float32 tensor with one element, got dtype ", s.scalar_type(),
-                " and ", s.numel(), " elements");
-    TORCH_CHECK(p.is_contiguous(), kOp, "params[", i, "] must be contiguous (strides ",
+                " and ", num(s.numel()), " elements");
+    TORCH_CHECK(p.is_contiguous(), kOp, "params[", num(i), "] must be contiguous (strides ",
                 dims_str(p.strides()), ")");
-    TORCH_CHECK(g.is_contiguous(), kOp, "grads[", i, "] must be contiguous (strides ",
+    TORCH_CHECK(g.is_contiguous(), kOp, "grads[", num(i), "] must be contiguous (strides ",
                 dims_str(g.strides()), ")");
-    TORCH_CHECK(m.is_contiguous(), kOp, "exp_avgs[", i, "] must be contiguous (strides ",
+    TORCH_CHECK(m.is_contiguous(), kOp, "exp_avgs[", num(i), "] must be contiguous (strides ",
                 dims_str(m.strides()), ")");
-    TORCH_CHECK(g.sizes() == p.sizes(), kOp, "grads[", i, "] has shape ", dims_str(g.sizes()),
-                " but params[", i, "] has shape ", dims_str(p.sizes()));
-    TORCH_CHECK(m.sizes() == p.sizes(), kOp, "exp_avgs[", i, "] has shape ", dims_str(m.sizes()),
-                " but params[", i, "] has shape ", dims_str(p.sizes()));
+    TORCH_CHECK(g.sizes() == p.sizes(), kOp, "grads[", num(i), "] has shape ", dims_str(g.sizes()),
+                " but params[", num(i), "] has shape ", dims_str(p.sizes()));
+    TORCH_CHECK(m.sizes() == p.sizes(), kOp, "exp_avgs[", num(i), "] has shape ", dims_str(m.sizes()),
+                " but params[", num(i), "] has shape ", dims_str(p.sizes()));
 
     StepItem it;
     it.p = p.data_ptr();
@@ -139,31 +147,31 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
 
     const bool has_S = S_list[i].has_value() && S_list[i]->defined();
     const bool has_H = H_list[i].has_value() && H_list[i]->defined();
-    TORCH_CHECK(has_S == has_H, kOp, "S_list[", i, "] and H_list[", i,
+    TORCH_CHECK(has_S == has_H, kOp, "S_list[", num(i), "] and H_list[", num(i),
                 "] must both be tensors or both be None");
     if (has_S) {
       const at::Tensor& S = *S_list[i];
       const at::Tensor& H = *H_list[i];
       check_dense(S, "S_list", i, device);
       check_dense(H, "H_list", i, device);
-      TORCH_CHECK(S.scalar_type() == at::kFloat, kOp, "S_list[", i, "] must be float32, got ",
+      TORCH_CHECK(S.scalar_type() == at::kFloat, kOp, "S_list[", num(i), "] must be float32, got ",
                   S.scalar_type());
-      TORCH_CHECK(H.scalar_type() == at::kFloat, kOp, "H_list[", i, "] must be float32, got ",
+      TORCH_CHECK(H.scalar_type() == at::kFloat, kOp, "H_list[", num(i), "] must be float32, got ",
                   H.scalar_type());
-      TORCH_CHECK(S.dim() == 1 && S.is_contiguous(), kOp, "S_list[", i,
+      TORCH_CHECK(S.dim() == 1 && S.is_contiguous(), kOp, "S_list[", num(i),
                   "] must be a contiguous 1-D tensor, got shape ", dims_str(S.sizes()), " strides ",
                   dims_str(S.strides()));
-      TORCH_CHECK(H.dim() == 1 && H.is_contiguous(), kOp, "H_list[", i,
+      TORCH_CHECK(H.dim() == 1 && H.is_contiguous(), kOp, "H_list[", num(i),
                   "] must be a contiguous 1-D tensor, got shape ", dims_str(H.sizes()), " strides ",
                   dims_str(H.strides()));
       const int64_t nc = ncols[i];
       const int64_t off = col_offsets[i];
-      TORCH_CHECK(nc >= 1 && nc <= std::numeric_limits<int32_t>::max(), kOp, "ncols[", i,
-                  "] must lie in [1, 2^31), got ", nc);
-      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, "params[", i, "] has ", p.numel(),
-                  " elements but len(S_list[", i, "]) * ncols[", i, "] = ", S.numel(), " * ", nc);
-      TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", i, "] + ncols[", i,
-                  "] = ", off, " + ", nc, " exceeds len(H_list[", i, "]) = ", H.numel());
+      TORCH_CHECK(nc >= 1 && nc <= std::numeric_limits<int32_t>::max(), kOp, "ncols[", num(i),
+                  "] must lie in [1, 2^31), got ", num(nc));
+      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, "params[", num(i), "] has ", num(p.numel()),
+                  " elements but len(S_list[", num(i), "]) * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
+      TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", num(i), "] + ncols[", num(i),
+                  "] = ", num(off), " + ", num(nc), " exceeds len(H_list[", num(i), "]) = ", num(H.numel()));
       if (p.numel() > 0) {
         it.S = S.data_ptr<float>();
         it.H = H.data_ptr<float>() + off;
@@ -172,7 +180,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     }
     TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <=
                     std::numeric_limits<int32_t>::max(),
-                kOp, "params[", i, "] is too large (", it.numel, " elements)");
+                kOp, "params[", num(i), "] is too large (", num(it.numel), " elements)");
     items.push_back(it);
   }
 
