@@ -2,9 +2,11 @@
 #include <torch/extension.h>
 
 #include "adafisher_step.h"
+#include "capture_launch.h"
+#include "capture_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lightning_cafin fused CUDA kernels (AdaFisher / AdaFisherW step)";
+  m.doc() = "lightning_cafin fused CUDA kernels (AdaFisher / AdaFisherW step, factor capture)";
 
   m.def("adafisher_step_", &lightning_cafin::adafisher_step_,
         R"doc(Fused AdaFisher / AdaFisherW step, in place, on the current CUDA stream.
@@ -26,9 +28,39 @@ No allocation, no host synchronisation: CUDA-graph capturable.)doc",
         py::arg("decoupled"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none());
 
+  m.def("conv_input_stats", &lightning_cafin::conv_input_stats,
+        R"doc(Conv2d input statistics without patches, on the current CUDA stream.
+
+x: 4-D (B, C, H, W) CUDA tensor, float32 / float16 / bfloat16, any strides (dense
+NCHW and channels_last are read in place, others copied once).  Returns float32
+[C/groups * kh * kw]: for every weight column (c, ki, kj) the sum over the batch, the
+groups and every output position of the squared zero-padded input under that tap.
+padding = (top, left); the bottom/right padding is implied by out_hw = (Ho, Wo).)doc",
+        py::arg("x"), py::arg("kernel"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
+        py::arg("groups"), py::arg("out_hw"));
+  m.def("channel_stats", &lightning_cafin::channel_stats,
+        R"doc(Per-channel sum (square=False) or sum of squares (square=True) of t over every
+dim but ``dim``, accumulated in float32, times float(1/divisor) when divisor > 0.
+t: CUDA tensor, float32 / float16 / bfloat16, any strides.  Returns float32 [t.size(dim)].)doc",
+        py::arg("t"), py::arg("dim"), py::arg("square"), py::arg("divisor") = 0.0);
+  m.def("factor_update_", &lightning_cafin::factor_update_,
+        R"doc(The capture step's factor update for every layer in one launch (per 56 layers).
+
+Per layer i: float32 contiguous 1-D h[i], s[i] (the combined partial sums) and the stored
+factors H[i], S[i] (updated in place).  kinds[i] 0 (Linear / Conv2d: H_raw = h / h_div,
+plus a last entry `extra` when flags & 1) or 1 (two columns: H_raw = [sum h^2 / h_div,
+extra], S_raw squares the sums); S_raw = s / s_scale (when flags & 4) / s_div.  NaN in
+H_raw or S_raw: the layer's factors are left alone and its entry of the returned int32
+[L] tensor is 1.  Else inf -> 1, -inf -> 0, min-max normalise (eps 1e-6) and
+stored <- stored * c_old + v_hat * c_new (stored read as ones when flags & 2).)doc",
+        py::arg("h"), py::arg("s"), py::arg("H"), py::arg("S"), py::arg("kinds"), py::arg("flags"),
+        py::arg("h_div"), py::arg("s_div"), py::arg("s_scale"), py::arg("extra"), py::arg("c_old"),
+        py::arg("c_new"));
+
   m.attr("CHUNK_SIZE") = lightning_cafin::kStepChunkSize;
   m.attr("BLOCK_SIZE") = lightning_cafin::kStepBlockSize;
   m.attr("MAX_TENSORS_PER_LAUNCH") = lightning_cafin::kStepMaxTensors;
   m.attr("MAX_BLOCKS_PER_LAUNCH") = lightning_cafin::kStepMaxBlocks;
   m.attr("MAX_STEPS_PER_INCREMENT_LAUNCH") = lightning_cafin::kIncMaxTensors;
+  m.attr("FACTOR_MAX_LAYERS_PER_LAUNCH") = lightning_cafin::kFactorMaxLayers;
 }

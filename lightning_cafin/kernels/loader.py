@@ -48,8 +48,8 @@ def _find_csrc() -> Path:
 
 
 _CSRC_DIR = _find_csrc()
-_SOURCES = ("bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu")
-_HEADERS = ("adafisher_step.h", "step_launch.h")
+_SOURCES = ("bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu", "capture_ops.cpp", "capture_stats.cu")
+_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h")
 
 # Plain -O3: never --use_fast_math (it replaces IEEE division, and the fused step
 # must round like the unfused reference).

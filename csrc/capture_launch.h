@@ -1,0 +1,101 @@
+// Host/device boundary of the factor-capture kernels: plain structs and launchers.
+//
+// The ops (argument checks, layout canonicalisation, workspace allocation) live in the
+// g++-compiled capture_ops.cpp; capture_stats.cu holds only kernels and launchers, which
+// throw nothing and return the launch's cudaError_t for the .cpp to check (an exception
+// thrown from nvcc-compiled host code crashed the process on the GPU machine).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace lightning_cafin {
+
+// Threads per block of every capture kernel.
+constexpr int kCaptureBlock = 256;
+// Layers per launch of the factor-update kernel (its metadata is passed by value).
+constexpr int kFactorMaxLayers = 56;
+
+// ---------------------------------------------------------------------------
+// Conv2d input statistics.
+//
+// Phase 1 sums x^2 over the batch into an fp32 map of the per-sample block: x is read
+// as B rows of M = C*H*W elements, row b at x + b*batch_stride, each row dense in either
+// (C, H, W) order (map_hwc = 0) or (H, W, C) order (map_hwc = 1, channels_last).  With
+// nsplit > 1 the batch is cut into nsplit ranges whose partial maps go to a workspace
+// and are summed in a fixed order.  Phase 2 sums, for every weight column
+// (c, ki, kj) of one group, the map under that kernel tap over every group and output
+// position (zeros padding: taps outside the input add nothing).
+// ---------------------------------------------------------------------------
+struct ConvInputArgs {
+  const void* x;
+  int64_t batch_stride;
+  int64_t B, C, H, W;
+  int map_hwc;
+  int kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo;
+};
+
+// ws_rows: nsplit * C*H*W floats (unused when nsplit == 1); map: C*H*W floats;
+// ws_cols: col_chunks * K floats (unused when col_chunks == 1); out: K floats.
+cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
+                                    int col_chunks, float* ws_rows, float* map, float* ws_cols,
+                                    float* out, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
+// Per-channel statistics: out[o] = post_mul * sum_{a, p} f(t[a*sa + o*so + p*sp]),
+// f = square or identity.  Requires so == 1 (channels innermost: the "rows" kernel) or
+// sp == 1 with P > 1 (the "middle" kernel).  nsplit > 1: partial sums to ws
+// (nsplit * O floats), then summed in a fixed order.
+// ---------------------------------------------------------------------------
+struct ChannelArgs {
+  const void* t;
+  int64_t A, O, P;
+  int64_t sa, so, sp;
+  int square;
+  int apply_post;
+  float post_mul;
+};
+
+cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
+                                 int nsplit, float* ws, float* out, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
+// The capture step's factor update, every layer in one launch (one block per layer).
+//
+// kind 0 (Linear, Conv2d):  H_raw[j] = h[j] * inv_hn (j < nh), H_raw[nh] = extra when
+//                           flags & kAppend;  S_raw = (s * inv_sscale) * inv_sn
+// kind 1 (two columns):     H_raw = [sum_j h[j]^2 * inv_hn, extra];
+//                           S_raw = (s * inv_sscale)^2 * inv_sn
+// (the s * inv_sscale product only when flags & kScaleS).  A layer whose H_raw or S_raw
+// holds a NaN gets nan_flags[index] = 1 and its stored factors are not touched; else
+// nan_flags[index] = 0, +inf -> 1, -inf -> 0, v_hat = (v - min) / ((max - min) + 1e-6),
+// stored <- stored * c_old + v_hat * c_new (stored read as all ones when flags & kInit).
+// ---------------------------------------------------------------------------
+constexpr int kFactorAppend = 1;
+constexpr int kFactorInit = 2;
+constexpr int kFactorScaleS = 4;
+
+struct FactorItem {
+  const float* h;
+  const float* s;
+  float* H;
+  float* S;
+  int32_t nh;
+  int32_t ns;
+  int32_t kind;
+  int32_t flags;
+  float inv_hn;
+  float inv_sn;
+  float inv_sscale;
+  float extra;
+};
+
+cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new,
+                                 int32_t* nan_flags, cudaStream_t stream);
+
+// Multiprocessors of the current device (cached per device), for sizing grids.
+int capture_sm_count();
+
+}  // namespace lightning_cafin

@@ -1,0 +1,285 @@
+// The factor-capture ops: argument checks, layout canonicalisation, workspace and
+// grid sizing; the kernels are in capture_stats.cu.  Compiled by the host compiler so
+// that a failed check raises a Python RuntimeError.  Numbers in check messages go through
+// num() (std::to_string), never through an ostream (see adafisher_step_op.cpp).
+#include "capture_launch.h"
+#include "capture_ops.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+namespace lightning_cafin {
+namespace {
+
+template <typename T>
+std::string num(T v) {
+  return std::to_string(v);
+}
+
+const char* kConv = "conv_input_stats: ";
+const char* kChan = "channel_stats: ";
+const char* kFac = "factor_update_: ";
+
+bool supported_dtype(at::ScalarType s) { return s == at::kFloat || s == at::kHalf || s == at::kBFloat16; }
+
+std::string dtype_name(at::ScalarType s) { return std::string(c10::toString(s)); }
+
+void check_input(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined(), op, name, " is undefined (None)");
+  TORCH_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got one on ", t.device().str());
+  TORCH_CHECK(supported_dtype(t.scalar_type()), op, name, " must be float32, float16 or bfloat16, got ",
+              dtype_name(t.scalar_type()));
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::max(lo, std::min(v, hi)); }
+
+// (size, stride) of dims [begin, end) merged into one, or {-1, -1} when they cannot be.
+std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64_t end) {
+  int64_t size = 1, stride = 0;
+  bool any = false;
+  for (int64_t d = end - 1; d >= begin; --d) {  // innermost first
+    const int64_t n = t.size(d);
+    if (n == 1) continue;
+    if (!any) {
+      size = n;
+      stride = t.stride(d);
+      any = true;
+    } else {
+      if (t.stride(d) != stride * size) return {-1, -1};
+      size *= n;
+    }
+  }
+  return {size, stride};
+}
+
+at::Tensor new_f32(int64_t n, const at::Tensor& like) {
+  return at::empty({n}, like.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+}
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                            std::vector<int64_t> out_hw) {
+  check_input(x_in, kConv, "x");
+  TORCH_CHECK(x_in.dim() == 4, kConv, "x must be 4-D (B, C, H, W), got ", num(static_cast<int64_t>(x_in.dim())),
+              " dims");
+  TORCH_CHECK(kernel.size() == 2 && stride.size() == 2 && padding.size() == 2 && dilation.size() == 2 &&
+                  out_hw.size() == 2,
+              kConv, "kernel, stride, padding, dilation and out_hw must each have 2 entries");
+  const int64_t B = x_in.size(0), C = x_in.size(1), H = x_in.size(2), W = x_in.size(3);
+  TORCH_CHECK(groups >= 1 && C % groups == 0, kConv, "groups (", num(groups), ") must divide the channels (", num(C), ")");
+  const int64_t lim = std::numeric_limits<int32_t>::max() / 4;
+  for (int64_t v : {kernel[0], kernel[1], stride[0], stride[1], dilation[0], dilation[1]})
+    TORCH_CHECK(v >= 1 && v <= lim, kConv, "kernel, stride and dilation must be positive, got ", num(v));
+  for (int64_t v : {padding[0], padding[1], out_hw[0], out_hw[1]})
+    TORCH_CHECK(v >= 0 && v <= lim, kConv, "padding and out_hw must be non-negative, got ", num(v));
+  TORCH_CHECK(H <= lim && W <= lim && groups <= lim, kConv, "input too large");
+  const int64_t K = (C / groups) * kernel[0] * kernel[1];
+  TORCH_CHECK(K >= 1 && K <= lim, kConv, "C/groups * kh * kw = ", num(K), " is out of range");
+
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor out = new_f32(K, x_in);
+  if (B == 0 || C == 0 || H == 0 || W == 0 || out_hw[0] == 0 || out_hw[1] == 0) return out.zero_();
+
+  // The per-sample block must be dense in (C, H, W) or (H, W, C) order.
+  auto dense_chw = [](const at::Tensor& t) {
+    return (t.size(3) == 1 || t.stride(3) == 1) && (t.size(2) == 1 || t.stride(2) == t.size(3)) &&
+           (t.size(1) == 1 || t.stride(1) == t.size(2) * t.size(3));
+  };
+  auto dense_hwc = [](const at::Tensor& t) {
+    return (t.size(1) == 1 || t.stride(1) == 1) && (t.size(3) == 1 || t.stride(3) == t.size(1)) &&
+           (t.size(2) == 1 || t.stride(2) == t.size(3) * t.size(1));
+  };
+  at::Tensor x = x_in;
+  int map_hwc = 0;
+  if (dense_chw(x)) {
+    map_hwc = 0;
+  } else if (dense_hwc(x)) {
+    map_hwc = 1;
+  } else {
+    x = x.contiguous();
+  }
+  const int64_t M = C * H * W;
+
+  ConvInputArgs a;
+  a.x = x.data_ptr();
+  a.batch_stride = B == 1 ? M : x.stride(0);
+  a.B = B;
+  a.C = C;
+  a.H = H;
+  a.W = W;
+  a.map_hwc = map_hwc;
+  a.kh = static_cast<int>(kernel[0]);
+  a.kw = static_cast<int>(kernel[1]);
+  a.sh = static_cast<int>(stride[0]);
+  a.sw = static_cast<int>(stride[1]);
+  a.pt = static_cast<int>(padding[0]);
+  a.pl = static_cast<int>(padding[1]);
+  a.dh = static_cast<int>(dilation[0]);
+  a.dw = static_cast<int>(dilation[1]);
+  a.groups = static_cast<int>(groups);
+  a.Ho = static_cast<int>(out_hw[0]);
+  a.Wo = static_cast<int>(out_hw[1]);
+  TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
+              "groups * Ho * Wo is too large");
+
+  const int64_t target = 4 * static_cast<int64_t>(capture_sm_count());
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
+  const int64_t nsplit = clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64));
+  const int64_t per_col = groups * out_hw[0] * out_hw[1];
+  const int64_t col_chunks = clamp64(ceil_div(2 * capture_sm_count(), K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
+
+  at::Tensor map = new_f32(M, x);
+  at::Tensor ws_rows = nsplit > 1 ? new_f32(nsplit * M, x) : at::Tensor();
+  at::Tensor ws_cols = col_chunks > 1 ? new_f32(col_chunks * K, x) : at::Tensor();
+  check_launch(launch_conv_input_stats(a, x.scalar_type(), static_cast<int>(nsplit), static_cast<int>(col_chunks),
+                                       nsplit > 1 ? ws_rows.data_ptr<float>() : nullptr, map.data_ptr<float>(),
+                                       col_chunks > 1 ? ws_cols.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                                       current_stream(x)),
+               kConv);
+  return out;
+}
+
+at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor) {
+  check_input(t_in, kChan, "t");
+  const int64_t nd = t_in.dim();
+  TORCH_CHECK(nd >= 1, kChan, "t must have at least one dimension");
+  TORCH_CHECK(dim >= -nd && dim < nd, kChan, "dim ", num(dim), " is out of range for a tensor of ", num(nd), " dims");
+  if (dim < 0) dim += nd;
+  const int64_t O = t_in.size(dim);
+  const c10::cuda::CUDAGuard guard(t_in.device());
+  at::Tensor out = new_f32(O, t_in);
+  if (O == 0) return out;
+  if (t_in.numel() == 0) return out.zero_();
+
+  at::Tensor t = t_in;
+  ChannelArgs a;
+  bool rows = false;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const auto before = merge_dims(t, 0, dim);
+    const auto after = merge_dims(t, dim + 1, nd);
+    const int64_t so = O == 1 ? 0 : t.stride(dim);
+    bool ok = before.first >= 0 && after.first >= 0;
+    if (ok) {
+      a.A = before.first;
+      a.sa = before.second;
+      a.P = after.first;
+      a.sp = after.second;
+      a.O = O;
+      a.so = so;
+      if (a.P > 1 && a.sp == 1) {
+        rows = false;
+      } else if (a.so == 1 || O == 1) {
+        rows = true;
+      } else {
+        ok = false;
+      }
+    }
+    if (ok) break;
+    TORCH_CHECK(attempt == 0, kChan, "internal error: a contiguous tensor did not canonicalise");
+    t = t.contiguous();
+  }
+  a.t = t.data_ptr();
+  a.square = square ? 1 : 0;
+  a.apply_post = divisor > 0 ? 1 : 0;
+  a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
+
+  const int64_t target = 4 * static_cast<int64_t>(capture_sm_count());
+  int64_t nsplit;
+  if (rows) {
+    const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
+    const int64_t gx = ceil_div(O, 32 * vec);
+    nsplit = clamp64(ceil_div(target, gx), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, 64)));
+  } else {
+    nsplit = clamp64(ceil_div(target, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
+  }
+  nsplit = std::min<int64_t>(nsplit, 1024);
+  at::Tensor ws = nsplit > 1 ? new_f32(nsplit * O, t) : at::Tensor();
+  check_launch(launch_channel_stats(a, t.scalar_type(), rows, static_cast<int>(nsplit),
+                                    nsplit > 1 ? ws.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                                    current_stream(t)),
+               kChan);
+  return out;
+}
+
+at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,
+                          const std::vector<at::Tensor>& H, const std::vector<at::Tensor>& S,
+                          const std::vector<int64_t>& kinds, const std::vector<int64_t>& flags,
+                          const std::vector<double>& h_div, const std::vector<double>& s_div,
+                          const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
+                          double c_new) {
+  const int64_t L = static_cast<int64_t>(h.size());
+  for (int64_t n : {static_cast<int64_t>(s.size()), static_cast<int64_t>(H.size()), static_cast<int64_t>(S.size()),
+                    static_cast<int64_t>(kinds.size()), static_cast<int64_t>(flags.size()),
+                    static_cast<int64_t>(h_div.size()), static_cast<int64_t>(s_div.size()),
+                    static_cast<int64_t>(s_scale.size()), static_cast<int64_t>(extra.size())})
+    TORCH_CHECK(n == L, kFac, "every list must have one entry per layer (", num(L), "), got one with ", num(n));
+  TORCH_CHECK(L > 0, kFac, "no layers");
+  TORCH_CHECK(h[0].defined() && h[0].is_cuda(), kFac, "h[0] must be a CUDA tensor");
+  const c10::Device device = h[0].device();
+  auto check_vec = [&](const at::Tensor& t, const char* name, int64_t i) {
+    TORCH_CHECK(t.defined(), kFac, name, "[", num(i), "] is undefined (None)");
+    TORCH_CHECK(t.is_cuda() && t.device() == device, kFac, name, "[", num(i), "] must be on ", device.str(),
+                ", got a tensor on ", t.device().str());
+    TORCH_CHECK(t.scalar_type() == at::kFloat, kFac, name, "[", num(i), "] must be float32, got ",
+                dtype_name(t.scalar_type()));
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), kFac, name, "[", num(i), "] must be a contiguous 1-D tensor");
+    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name, "[", num(i),
+                "] has ", num(t.numel()), " elements");
+  };
+  std::vector<FactorItem> items(L);
+  for (int64_t i = 0; i < L; ++i) {
+    check_vec(h[i], "h", i);
+    check_vec(s[i], "s", i);
+    check_vec(H[i], "H", i);
+    check_vec(S[i], "S", i);
+    TORCH_CHECK(kinds[i] == 0 || kinds[i] == 1, kFac, "kinds[", num(i), "] must be 0 or 1, got ", num(kinds[i]));
+    TORCH_CHECK(flags[i] >= 0 && flags[i] < 8, kFac, "flags[", num(i), "] = ", num(flags[i]), " is not a flag set");
+    const bool append = (flags[i] & kFactorAppend) != 0;
+    const int64_t want_H = kinds[i] == 1 ? 2 : h[i].numel() + (append ? 1 : 0);
+    TORCH_CHECK(H[i].numel() == want_H, kFac, "H[", num(i), "] has ", num(H[i].numel()), " elements, expected ", num(want_H));
+    TORCH_CHECK(S[i].numel() == s[i].numel(), kFac, "S[", num(i), "] has ", num(S[i].numel()), " elements but s[", num(i),
+                "] has ", num(s[i].numel()));
+    TORCH_CHECK(h_div[i] > 0 && s_div[i] > 0, kFac, "h_div and s_div must be positive (layer ", num(i), ")");
+    FactorItem& it = items[i];
+    it.h = h[i].data_ptr<float>();
+    it.s = s[i].data_ptr<float>();
+    it.H = H[i].data_ptr<float>();
+    it.S = S[i].data_ptr<float>();
+    it.nh = static_cast<int32_t>(h[i].numel());
+    it.ns = static_cast<int32_t>(s[i].numel());
+    it.kind = static_cast<int32_t>(kinds[i]);
+    it.flags = static_cast<int32_t>(flags[i]);
+    // as torch divides a float32 tensor by a Python scalar: times float(1) / float(divisor)
+    it.inv_hn = 1.0f / static_cast<float>(h_div[i]);
+    it.inv_sn = 1.0f / static_cast<float>(s_div[i]);
+    it.inv_sscale = 1.0f / static_cast<float>(s_scale[i]);
+    it.extra = static_cast<float>(extra[i]);
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor nan_flags = at::empty({L}, h[0].options().dtype(at::kInt));
+  check_launch(launch_factor_update(items.data(), static_cast<int>(L), static_cast<float>(c_old),
+                                    static_cast<float>(c_new), nan_flags.data_ptr<int32_t>(), current_stream(h[0])),
+               kFac);
+  return nan_flags;
+}
+
+}  // namespace lightning_cafin

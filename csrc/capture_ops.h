@@ -1,0 +1,31 @@
+// Host entry points of the factor-capture kernels (see capture_launch.h for the maths).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace lightning_cafin {
+
+// fp32 [C/groups * kh * kw]: sum over the batch, the groups and every output position of
+// the squared zero-padded input under each kernel tap, in the weight's (c, ki, kj) order.
+// x: 4-D (B, C, H, W) CUDA tensor, float32/float16/bfloat16, any strides.
+// padding is (top, left); the bottom/right padding is implied by out_hw.
+at::Tensor conv_input_stats(const at::Tensor& x, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                            std::vector<int64_t> out_hw);
+
+// fp32 [t.size(dim)]: sum over every other dim of t (of t^2 when square), multiplied by
+// float(1 / divisor) when divisor > 0 (as torch's division by a Python scalar does).
+at::Tensor channel_stats(const at::Tensor& t, int64_t dim, bool square, double divisor);
+
+// The capture step's factor update for every layer at once (one launch per 56 layers).
+// Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).
+at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,
+                          const std::vector<at::Tensor>& H, const std::vector<at::Tensor>& S,
+                          const std::vector<int64_t>& kinds, const std::vector<int64_t>& flags,
+                          const std::vector<double>& h_div, const std::vector<double>& s_div,
+                          const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
+                          double c_new);
+
+}  // namespace lightning_cafin

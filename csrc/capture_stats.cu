@@ -1,0 +1,484 @@
+// Factor-capture kernels (ADAFISHER_SPEC.md, "Supported modules" and "Normalisation").
+//
+// * conv input statistics without patches: x^2 summed over the batch into a small fp32
+//   map, then every kernel tap's window sum of that map (groups pooled, zeros padding);
+// * per-channel sums / sums of squares of an activation or output gradient in one pass;
+// * the capture step's finalise + inf mapping + min-max normalisation + NaN guard +
+//   fold, for every captured layer in one launch.
+//
+// All accumulation is fp32 whatever the input dtype (fp32, fp16, bf16); partial sums are
+// combined in a fixed order, so every result is deterministic.  Launchers return the
+// launch's cudaError_t and never throw (see capture_launch.h).  The fold uses explicitly
+// rounded multiplies and adds (no contraction), so it equals the unfused torch ops.
+
+#include "capture_launch.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+namespace lightning_cafin {
+namespace {
+
+template <typename T>
+struct alignas(16) Pack16 {
+  T v[16 / sizeof(T)];
+};
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// V consecutive elements at p (16-byte aligned when V > 1) into fp32.
+template <int V, typename T>
+__device__ __forceinline__ void load_vec(float (&dst)[V], const T* __restrict__ p) {
+  if constexpr (V == 1) {
+    dst[0] = to_f(p[0]);
+  } else {
+    constexpr int kPer = 16 / sizeof(T);
+    static_assert(V % kPer == 0, "vector width must be whole 16-byte packs");
+#pragma unroll
+    for (int q = 0; q < V / kPer; ++q) {
+      const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(p)[q];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_f(pk.v[j]);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (kCaptureBlock threads); the result is valid in every thread.
+__device__ float block_sum(float v, float* smem /* >= 32 floats */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // smem may still be read by a previous call
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float r = 0.f;
+  if (warp == 0) {
+    r = lane < (kCaptureBlock / 32) ? smem[lane] : 0.f;
+    r = warp_sum(r);
+    if (lane == 0) smem[0] = r;
+  }
+  __syncthreads();
+  return smem[0];
+}
+
+// ---------------------------------------------------------------------------
+// Phase 1 of the conv input statistics: dst[split * M + i] = sum_{b in split} x[b, i]^2.
+// ---------------------------------------------------------------------------
+template <typename T, int V>
+__global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __restrict__ x, int64_t batch_stride,
+                                                                    int64_t B, int64_t M, int nsplit,
+                                                                    float* __restrict__ dst) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kCaptureBlock + threadIdx.x) * V;
+  if (i >= M) return;
+  const int split = blockIdx.y;
+  const int64_t per = (B + nsplit - 1) / nsplit;
+  const int64_t b0 = split * per;
+  const int64_t b1 = b0 + per < B ? b0 + per : B;
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  const T* p = x + b0 * batch_stride + i;
+  int64_t b = b0;
+  // two rows in flight per iteration
+  for (; b + 1 < b1; b += 2, p += 2 * batch_stride) {
+    float u[V], w[V];
+    load_vec<V>(u, p);
+    load_vec<V>(w, p + batch_stride);
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = fmaf(w[j], w[j], fmaf(u[j], u[j], acc[j]));
+  }
+  if (b < b1) {
+    float u[V];
+    load_vec<V>(u, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = fmaf(u[j], u[j], acc[j]);
+  }
+  float* out = dst + static_cast<int64_t>(split) * M + i;
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = acc[j];
+}
+
+// out[i] = (sum_k ws[k * n + i]) [* post_mul], k in order.
+__global__ void __launch_bounds__(kCaptureBlock) sum_splits_kernel(const float* __restrict__ ws, int nsplit, int64_t n,
+                                                                   int apply_post, float post_mul,
+                                                                   float* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kCaptureBlock + threadIdx.x;
+  if (i >= n) return;
+  float acc = 0.f;
+  for (int k = 0; k < nsplit; ++k) acc += ws[k * n + i];
+  out[i] = apply_post ? acc * post_mul : acc;
+}
+
+// ---------------------------------------------------------------------------
+// Phase 2: one block per (weight column, position chunk).
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float* __restrict__ map, ConvInputArgs a,
+                                                                    int col_chunks, float* __restrict__ dst) {
+  __shared__ float smem[32];
+  const int taps = a.kh * a.kw;
+  const int col = blockIdx.x;
+  const int K = gridDim.x;
+  const int c = col / taps;
+  const int r = col - c * taps;
+  const int ki = r / a.kw, kj = r - ki * a.kw;
+  const int Cg = static_cast<int>(a.C / a.groups);
+  const int64_t HW = a.H * a.W;
+  const int L = a.Ho * a.Wo;
+  const int64_t total = static_cast<int64_t>(a.groups) * L;
+  const int64_t per = (total + col_chunks - 1) / col_chunks;
+  const int64_t q0 = blockIdx.y * per;
+  const int64_t q1 = q0 + per < total ? q0 + per : total;
+  const int y_off = ki * a.dh - a.pt, x_off = kj * a.dw - a.pl;
+  float acc = 0.f;
+  for (int64_t q = q0 + threadIdx.x; q < q1; q += kCaptureBlock) {
+    const int grp = static_cast<int>(q / L);
+    const int pos = static_cast<int>(q - static_cast<int64_t>(grp) * L);
+    const int oy = pos / a.Wo, ox = pos - oy * a.Wo;
+    const int y = oy * a.sh + y_off, xx = ox * a.sw + x_off;
+    if (y < 0 || y >= a.H || xx < 0 || xx >= a.W) continue;
+    const int64_t ch = static_cast<int64_t>(grp) * Cg + c;
+    const int64_t idx = a.map_hwc ? (static_cast<int64_t>(y) * a.W + xx) * a.C + ch : ch * HW + static_cast<int64_t>(y) * a.W + xx;
+    acc += map[idx];
+  }
+  acc = block_sum(acc, smem);
+  if (threadIdx.x == 0) dst[static_cast<int64_t>(blockIdx.y) * K + col] = acc;
+}
+
+// ---------------------------------------------------------------------------
+// Per-channel statistics, channels in the middle (sp == 1, P > 1): block (o, split).
+// ---------------------------------------------------------------------------
+template <typename T, int V>
+__global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelArgs a, const T* __restrict__ t,
+                                                                       int nsplit, float* __restrict__ dst) {
+  __shared__ float smem[32];
+  const int64_t o = blockIdx.x;
+  const int split = blockIdx.y;
+  const int64_t per = (a.A + nsplit - 1) / nsplit;
+  const int64_t a0 = split * per;
+  const int64_t a1 = a0 + per < a.A ? a0 + per : a.A;
+  const int64_t PV = a.P / V;
+  const T* base = t + o * a.so;
+  float acc = 0.f;
+  if (PV >= kCaptureBlock / 2) {  // long rows: rows outer, threads along the row
+    for (int64_t r = a0; r < a1; ++r) {
+      const T* row = base + r * a.sa;
+      for (int64_t e = threadIdx.x; e < PV; e += kCaptureBlock) {
+        float v[V];
+        load_vec<V>(v, row + e * V);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc = a.square ? fmaf(v[j], v[j], acc) : acc + v[j];
+      }
+    }
+  } else {  // short rows: threads over (row, element) flattened
+    const int64_t n = (a1 - a0) * PV;
+    for (int64_t e = threadIdx.x; e < n; e += kCaptureBlock) {
+      const int64_t r = e / PV;
+      const int64_t k = e - r * PV;
+      float v[V];
+      load_vec<V>(v, base + (a0 + r) * a.sa + k * V);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc = a.square ? fmaf(v[j], v[j], acc) : acc + v[j];
+    }
+  }
+  acc = block_sum(acc, smem);
+  if (threadIdx.x == 0) {
+    const float res = (nsplit == 1 && a.apply_post) ? acc * a.post_mul : acc;
+    dst[static_cast<int64_t>(split) * a.O + o] = res;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Per-channel statistics, channels innermost (so == 1): a (32 x 8) block covers 32*V
+// channels; rows r over (a, p), offset a*sa + p*sp.
+// ---------------------------------------------------------------------------
+constexpr int kRowsY = kCaptureBlock / 32;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
+                                                                     int nsplit, float* __restrict__ dst) {
+  __shared__ float smem[kRowsY][32 * V + 1];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int64_t o = (static_cast<int64_t>(blockIdx.x) * 32 + tx) * V;
+  const int split = blockIdx.y;
+  const int64_t R = a.A * a.P;
+  const int64_t per = (R + nsplit - 1) / nsplit;
+  const int64_t r0 = split * per;
+  const int64_t r1 = r0 + per < R ? r0 + per : R;
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  if (o < a.O) {
+    const bool flat = a.P == 1 || a.sa == a.P * a.sp;
+    const int64_t rs = a.P == 1 ? a.sa : a.sp;
+    for (int64_t r = r0 + ty; r < r1; r += kRowsY) {
+      const int64_t off = flat ? r * rs : (r / a.P) * a.sa + (r % a.P) * a.sp;
+      float v[V];
+      load_vec<V>(v, t + off + o);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) smem[ty][tx * V + j] = acc[j];
+  __syncthreads();
+  if (ty == 0 && o < a.O) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      float s = 0.f;
+#pragma unroll
+      for (int y = 0; y < kRowsY; ++y) s += smem[y][tx * V + j];
+      const float res = (nsplit == 1 && a.apply_post) ? s * a.post_mul : s;
+      dst[static_cast<int64_t>(split) * a.O + o + j] = res;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The factor update: one block per layer.
+// ---------------------------------------------------------------------------
+struct FactorMeta {
+  FactorItem item[kFactorMaxLayers];
+  int base;  // index of item[0] in nan_flags
+};
+
+static_assert(sizeof(FactorMeta) + 2 * sizeof(float) + sizeof(void*) <= 4000,
+              "factor kernel arguments exceed the 4 KiB kernel-parameter budget");
+
+__device__ __forceinline__ float map_inf(float v) {
+  return v == INFINITY ? 1.f : (v == -INFINITY ? 0.f : v);
+}
+
+__device__ __forceinline__ float h_raw(const FactorItem& it, int j, float two_col_h0) {
+  if (it.kind == 1) return j == 0 ? two_col_h0 : it.extra;
+  if (j < it.nh) return __fmul_rn(it.h[j], it.inv_hn);
+  return it.extra;
+}
+
+__device__ __forceinline__ float s_raw(const FactorItem& it, int i) {
+  float v = it.s[i];
+  if (it.flags & kFactorScaleS) v = __fmul_rn(v, it.inv_sscale);
+  if (it.kind == 1) v = __fmul_rn(v, v);
+  return __fmul_rn(v, it.inv_sn);
+}
+
+struct MinMaxNan {
+  float lo, hi;
+  int nan;
+};
+
+__device__ MinMaxNan block_min_max_nan(float lo, float hi, int nan, float* smem /* >= 96 */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+  }
+  __syncthreads();
+  if (lane == 0) {
+    smem[warp] = lo;
+    smem[32 + warp] = hi;
+    smem[64 + warp] = static_cast<float>(nan);
+  }
+  __syncthreads();
+  MinMaxNan r;
+  r.lo = smem[0];
+  r.hi = smem[32];
+  r.nan = 0;
+  for (int w = 0; w < kCaptureBlock / 32; ++w) {
+    r.lo = fminf(r.lo, smem[w]);
+    r.hi = fmaxf(r.hi, smem[32 + w]);
+    r.nan |= smem[64 + w] != 0.f;
+  }
+  return r;
+}
+
+__global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorMeta meta, float c_old, float c_new,
+                                                                      int32_t* __restrict__ nan_flags) {
+  __shared__ float smem[96];
+  const FactorItem& it = meta.item[blockIdx.x];
+  const int nH = it.kind == 1 ? 2 : it.nh + ((it.flags & kFactorAppend) ? 1 : 0);
+
+  float h0 = 0.f;  // two-column layers: sum h^2 * inv_hn
+  if (it.kind == 1) {
+    float acc = 0.f;
+    for (int j = threadIdx.x; j < it.nh; j += kCaptureBlock) acc = fmaf(it.h[j], it.h[j], acc);
+    h0 = __fmul_rn(block_sum(acc, smem), it.inv_hn);
+  }
+
+  // min / max (after the inf mapping) and NaN of both vectors
+  float hlo = INFINITY, hhi = -INFINITY, slo = INFINITY, shi = -INFINITY;
+  int nan = 0;  // a NaN in H_raw or S_raw
+  for (int j = threadIdx.x; j < nH; j += kCaptureBlock) {
+    const float v = h_raw(it, j, h0);
+    nan |= v != v;
+    const float m = map_inf(v);
+    hlo = fminf(hlo, m);
+    hhi = fmaxf(hhi, m);
+  }
+  for (int i = threadIdx.x; i < it.ns; i += kCaptureBlock) {
+    const float v = s_raw(it, i);
+    nan |= v != v;
+    const float m = map_inf(v);
+    slo = fminf(slo, m);
+    shi = fmaxf(shi, m);
+  }
+  const MinMaxNan hr = block_min_max_nan(hlo, hhi, nan, smem);
+  const MinMaxNan sr = block_min_max_nan(slo, shi, 0, smem);
+  if (hr.nan) {
+    if (threadIdx.x == 0) nan_flags[meta.base + blockIdx.x] = 1;
+    return;
+  }
+  if (threadIdx.x == 0) nan_flags[meta.base + blockIdx.x] = 0;
+  const bool init = (it.flags & kFactorInit) != 0;
+  const float hd = __fadd_rn(__fsub_rn(hr.hi, hr.lo), 1e-6f);
+  for (int j = threadIdx.x; j < nH; j += kCaptureBlock) {
+    const float v = __fdiv_rn(__fsub_rn(map_inf(h_raw(it, j, h0)), hr.lo), hd);
+    const float old = init ? 1.f : it.H[j];
+    it.H[j] = __fadd_rn(__fmul_rn(old, c_old), __fmul_rn(v, c_new));
+  }
+  const float sd = __fadd_rn(__fsub_rn(sr.hi, sr.lo), 1e-6f);
+  for (int i = threadIdx.x; i < it.ns; i += kCaptureBlock) {
+    const float v = __fdiv_rn(__fsub_rn(map_inf(s_raw(it, i)), sr.lo), sd);
+    const float old = init ? 1.f : it.S[i];
+    it.S[i] = __fadd_rn(__fmul_rn(old, c_old), __fmul_rn(v, c_new));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch helpers.
+// ---------------------------------------------------------------------------
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename F>
+cudaError_t dispatch_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(static_cast<float*>(nullptr));
+    case at::kHalf:
+      return f(static_cast<c10::Half*>(nullptr));
+    case at::kBFloat16:
+      return f(static_cast<c10::BFloat16*>(nullptr));
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kCaptureBlock - 1) / kCaptureBlock); }
+
+}  // namespace
+
+int capture_sm_count() {
+  static std::mutex mu;
+  static std::vector<int> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(cache.size()) <= dev) cache.resize(dev + 1, 0);
+  if (cache[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
+cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
+                                    float* ws_rows, float* map, float* ws_cols, float* out, cudaStream_t stream) {
+  const int64_t M = a.C * a.H * a.W;
+  float* phase1 = nsplit > 1 ? ws_rows : map;
+  cudaError_t err = dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int kV = 16 / sizeof(T);
+    const T* x = static_cast<const T*>(a.x);
+    const bool vec = M % kV == 0 && a.batch_stride % kV == 0 && aligned16(x);
+    const dim3 grid(blocks_for(vec ? M / kV : M), nsplit);
+    if (vec) {
+      batch_sumsq_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, phase1);
+    } else {
+      batch_sumsq_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, phase1);
+    }
+    return cudaGetLastError();
+  });
+  if (err != cudaSuccess) return err;
+  if (nsplit > 1) {
+    sum_splits_kernel<<<blocks_for(M), kCaptureBlock, 0, stream>>>(ws_rows, nsplit, M, 0, 1.f, map);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  const int K = static_cast<int>(a.C / a.groups) * a.kh * a.kw;
+  window_sums_kernel<<<dim3(K, col_chunks), kCaptureBlock, 0, stream>>>(map, a, col_chunks,
+                                                                        col_chunks > 1 ? ws_cols : out);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (col_chunks > 1) {
+    sum_splits_kernel<<<blocks_for(K), kCaptureBlock, 0, stream>>>(ws_cols, col_chunks, K, 0, 1.f, out);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel, int nsplit,
+                                 float* ws, float* out, cudaStream_t stream) {
+  float* dst = nsplit > 1 ? ws : out;
+  cudaError_t err = dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int kV = 16 / sizeof(T);
+    const T* t = static_cast<const T*>(a.t);
+    if (rows_kernel) {
+      // channels innermost: vectors along the channels
+      const bool vec = a.O % kV == 0 && a.sa % kV == 0 && (a.P == 1 || a.sp % kV == 0) && aligned16(t);
+      const int64_t tile = 32 * (vec ? kV : 1);
+      const dim3 grid(static_cast<unsigned>((a.O + tile - 1) / tile), nsplit);
+      if (vec) {
+        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+      } else {
+        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+      }
+    } else {
+      const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && aligned16(t);
+      const dim3 grid(static_cast<unsigned>(a.O), nsplit);
+      if (vec) {
+        channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+      } else {
+        channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+      }
+    }
+    return cudaGetLastError();
+  });
+  if (err != cudaSuccess) return err;
+  if (nsplit > 1) {
+    sum_splits_kernel<<<blocks_for(a.O), kCaptureBlock, 0, stream>>>(ws, nsplit, a.O, a.apply_post, a.post_mul, out);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
+                                 cudaStream_t stream) {
+  for (int start = 0; start < n; start += kFactorMaxLayers) {
+    const int count = n - start < kFactorMaxLayers ? n - start : kFactorMaxLayers;
+    FactorMeta meta;
+    for (int i = 0; i < count; ++i) meta.item[i] = items[start + i];
+    meta.base = start;
+    factor_update_kernel<<<count, kCaptureBlock, 0, stream>>>(meta, c_old, c_new, nan_flags);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace lightning_cafin
