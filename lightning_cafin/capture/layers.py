@@ -8,6 +8,10 @@ batch.  ``finalize`` turns the combined sums into the spec's raw vectors ``H_raw
 
 All statistics are accumulated in float32 (float64 for float64 inputs) whatever the
 activation dtype, so float16 sums of squares cannot overflow.
+
+On CUDA tensors (float32, float16, bfloat16) the partial sums come from the extension's
+capture kernels (one pass over the tensor, no patches, see ``kernels.py``); the torch ops
+below are the fallback everywhere else and the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,11 +27,21 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 
 from .._conv import conv_output_hw, conv_padding, pad_like_conv
+from . import kernels as _kernels
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
     """float64 stays float64; everything else (fp16, bf16, fp32) is summed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def channel_sums(t: Tensor, dim: int, square: bool, divisor: float = 0.0) -> Optional[Tensor]:
+    """The kernels' per-channel ``sum`` (or sum of squares) over every dim but ``dim``,
+    divided by ``divisor`` when it is positive; ``None`` where the kernels do not apply."""
+    ext = _kernels.ext_for(t)
+    if ext is None or t.dim() == 0:
+        return None
+    return ext.channel_stats(t, dim, square, float(divisor))
 
 
 def sum_of_squares(x: Tensor, dims) -> Tensor:
@@ -88,10 +102,16 @@ class LinearRule(LayerRule):
         return out
 
     def input_partial(self, module, x):
+        h = channel_sums(x, -1, True)
+        if h is not None:
+            return h, float(x.numel() // max(x.shape[-1], 1))
         x = x.reshape(-1, x.shape[-1])
         return sum_of_squares(x, 0), float(x.shape[0])
 
     def output_partial(self, module, s):
+        sv = channel_sums(s, -1, True)
+        if sv is not None:
+            return sv, float(s.numel() // max(s.shape[-1], 1))
         s = s.reshape(-1, s.shape[-1])
         return sum_of_squares(s, 0), float(s.shape[0])
 
@@ -134,6 +154,12 @@ class Conv2dRule(LayerRule):
         Ho, Wo = conv_output_hw(module, tuple(x.shape[-2:]))
         g, (kh, kw) = module.groups, module.kernel_size
         (dh, dw), (sh, sw) = module.dilation, module.stride
+        count = float(B * Ho * Wo * self._k(module))
+        ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
+        if ext is not None:  # one pass over x, then the taps of the small batch-reduced map
+            left, _, top, _ = conv_padding(module)
+            h = ext.conv_input_stats(x, [kh, kw], [sh, sw], [top, left], [dh, dw], g, [Ho, Wo])
+            return h, count
         if module.padding_mode == "zeros":
             # zeros square to zeros: reduce the batch first, then pad the small map
             sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, Hp, Wp)
@@ -143,12 +169,16 @@ class Conv2dRule(LayerRule):
         # every tap's window sum at once: the patches of this small map, summed over positions
         taps = F.unfold(sq[None], (kh, kw), dilation=(dh, dw), stride=(sh, sw))  # (1, C/g*kh*kw, Ho*Wo)
         h = taps[0].sum(1)  # (c, ki, kj) order, as the weight
-        return h, float(B * Ho * Wo * self._k(module))
+        return h, count
 
     def output_partial(self, module, s):
         if s.dim() == 3:
             s = s.unsqueeze(0)
-        return sum_of_squares(s, (0, 2, 3)), float(s.shape[0] * s.shape[2] * s.shape[3])
+        count = float(s.shape[0] * s.shape[2] * s.shape[3])
+        sv = channel_sums(s, 1, True)
+        if sv is not None:
+            return sv, count
+        return sum_of_squares(s, (0, 2, 3)), count
 
     def finalize(self, module, h, hn, s, sn):
         H = h / hn
@@ -185,9 +215,15 @@ class BatchNorm2dRule(_TwoColumnRule):
     def input_partial(self, module, x):
         hw = x.shape[2] * x.shape[3]
         # quirk: divided by the squared spatial size
+        h = channel_sums(x, 1, False, hw**2) if hw > 0 else None
+        if h is not None:
+            return h, float(x.shape[0])
         return x.sum((0, 2, 3), dtype=stat_dtype(x)) / (hw**2), float(x.shape[0])
 
     def output_partial(self, module, s):
+        sv = channel_sums(s, 1, False)
+        if sv is not None:
+            return sv, float(s.shape[0])
         return s.sum((0, 2, 3), dtype=stat_dtype(s)), float(s.shape[0])
 
 
@@ -207,9 +243,15 @@ class LayerNormRule(_TwoColumnRule):
         # quirk: reduce every dim except dim 1, not the normalised last dim
         dims = [d for d in range(x.dim()) if d != 1]
         dn = math.prod(x.shape[d] for d in dims if d != 0)
+        h = channel_sums(x, 1, False, dn**2) if x.dim() >= 2 and dn > 0 else None
+        if h is not None:
+            return h, float(x.shape[0])
         return x.sum(dims, dtype=stat_dtype(x)) / (dn**2), float(x.shape[0])
 
     def output_partial(self, module, s):
+        sv = channel_sums(s, -1, False) if s.dim() >= 2 else None
+        if sv is not None:
+            return sv, float(s.shape[0])
         return s.sum(tuple(range(s.dim() - 1)), dtype=stat_dtype(s)), float(s.shape[0])
 
 

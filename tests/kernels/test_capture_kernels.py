@@ -1,0 +1,439 @@
+"""The capture kernels against the torch rules and the oracle (GPU only).
+
+Inputs are fresh and random (never zeros).  Statistics: the kernels' float32 sums
+against the torch rules evaluated in float64 on the very same (possibly fp16/bf16)
+values, and a subset against the im2col oracle (``lightning_cafin.spec``), to 1e-5
+relative to the vector's scale.  The factor update: the one-launch kernel against the
+torch loop of ``factors.py`` (the CPU/fallback path) to 1e-6 relative, NaN and inf cases
+included.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import spec
+from lightning_cafin._conv import conv_output_hw, conv_padding
+from lightning_cafin.capture import kernels as ck
+from lightning_cafin.capture.factors import update_factors
+from lightning_cafin.capture.hooks import LayerCapture, PendingStats
+from lightning_cafin.capture.layers import rule_for
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the capture kernels need a CUDA device"),
+]
+
+DEV = "cuda"
+STAT_RTOL = 1e-5
+FACTOR_RTOL = 1e-6
+LOWP = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from lightning_cafin.kernels import can_run_fused, load_extension
+
+    ok, why = can_run_fused()
+    if not ok:
+        pytest.skip(why)
+    mod = load_extension()
+    if not hasattr(mod, "channel_stats"):
+        pytest.fail("the extension was built without the capture kernels")
+    return mod
+
+
+@pytest.fixture
+def impl():
+    """Switch the capture implementation inside a test; restored afterwards."""
+    previous = ck.get_impl()
+    yield ck.set_impl
+    ck.set_impl(previous)
+
+
+def close(got, want, rtol):
+    got, want = got.double().cpu(), want.double().cpu()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = want.abs().max().clamp_min(1e-300)
+    err = ((got - want).abs().max() / scale).item()
+    assert err <= rtol, f"relative error {err:.3e} > {rtol:.1e}"
+
+
+def randn(shape, dtype=torch.float32, layout="contiguous"):
+    """Random values of the given layout: contiguous, channels_last, or a strided view."""
+    if layout == "channels_last":
+        return torch.randn(shape, device=DEV, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    if layout == "sliced":  # every other channel of a wider tensor, batch-strided
+        wide = list(shape)
+        wide[1] = 2 * shape[1] + 1
+        return torch.randn(wide, device=DEV, dtype=dtype)[:, 1::2]
+    if layout == "transposed":  # last two dims swapped in memory
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], device=DEV, dtype=dtype)
+        return t.transpose(-1, -2)
+    if layout == "batch_sliced":  # rows of a bigger batch, contiguous per sample
+        t = torch.randn(2 * shape[0] + 1, *shape[1:], device=DEV, dtype=dtype)
+        return t[1::2]
+    return torch.randn(shape, device=DEV, dtype=dtype)
+
+
+def torch_rule(impl, module, x, side):
+    """The torch rule on x upcast to float64 (the exact value of the same inputs)."""
+    impl("torch")
+    rule = rule_for(module)
+    m64 = copy.deepcopy(module).double()
+    fn = rule.input_partial if side == "in" else rule.output_partial
+    return fn(m64, x.double())
+
+
+def kernel_rule(impl, module, x, side):
+    impl("kernels")
+    rule = rule_for(module)
+    fn = rule.input_partial if side == "in" else rule.output_partial
+    return fn(module, x)
+
+
+# --------------------------------------------------------------------------- conv inputs
+
+CONVS = {
+    "3x3_pad1": dict(in_channels=16, out_channels=8, kernel_size=3, padding=1),
+    "1x1": dict(in_channels=12, out_channels=6, kernel_size=1),
+    "1x1_strided": dict(in_channels=8, out_channels=6, kernel_size=1, stride=2),
+    "strided": dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, padding=1),
+    "rect": dict(in_channels=5, out_channels=3, kernel_size=(2, 3), stride=(1, 2), padding=(1, 0)),
+    "grouped": dict(in_channels=12, out_channels=8, kernel_size=3, groups=4, padding=2),
+    "depthwise": dict(in_channels=10, out_channels=10, kernel_size=3, groups=10, padding=1),
+    "depthwise_mult": dict(in_channels=6, out_channels=12, kernel_size=5, groups=6, padding=2, stride=2),
+    "dilated": dict(in_channels=7, out_channels=4, kernel_size=3, dilation=2, padding=2),
+    "dilated_rect": dict(in_channels=3, out_channels=4, kernel_size=(3, 2), dilation=(2, 3), padding=(3, 1), stride=(2, 1)),
+    "same_even": dict(in_channels=3, out_channels=2, kernel_size=4, padding="same"),
+    "same_dilated": dict(in_channels=5, out_channels=2, kernel_size=3, padding="same", dilation=3),
+    "valid": dict(in_channels=3, out_channels=2, kernel_size=3, padding="valid", stride=2),
+    "big_pad": dict(in_channels=3, out_channels=2, kernel_size=3, padding=4),
+    "kernel_larger_than_input": dict(in_channels=2, out_channels=2, kernel_size=7, padding=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_conv_input_stats_match_the_torch_rule(ext, impl, name, layout):
+    m = nn.Conv2d(**CONVS[name], bias=True).to(DEV)
+    x = randn((3, m.in_channels, 11, 9), layout=layout)
+    h, hn = kernel_rule(impl, m, x, "in")
+    h_ref, hn_ref = torch_rule(impl, m, x, "in")
+    assert h.dtype == torch.float32 and h.shape == (rule_for(m)._k(m),)
+    assert hn == hn_ref
+    close(h, h_ref, STAT_RTOL)
+
+
+@pytest.mark.parametrize("name", ["3x3_pad1", "grouped", "depthwise", "dilated_rect", "same_even"])
+def test_conv_stats_match_the_im2col_oracle(ext, impl, name):
+    m = nn.Conv2d(**CONVS[name], bias=True).to(DEV)
+    x = randn((4, m.in_channels, 10, 13))
+    s = torch.randn_like(m(x))
+    impl("kernels")
+    rule = rule_for(m)
+    h, hn = rule.input_partial(m, x)
+    sv, sn = rule.output_partial(m, s)
+    H, S = rule.finalize(m, h, hn, sv, sn)
+    H_ref, S_ref = spec.conv2d_stats(copy.deepcopy(m).double(), x.double(), s.double())
+    close(H, H_ref, STAT_RTOL)
+    close(S, S_ref, STAT_RTOL)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(
+    "shape,layout",
+    [
+        ((1, 16, 9, 9), "contiguous"),  # batch 1
+        ((1, 16, 9, 9), "channels_last"),
+        ((300, 8, 6, 7), "contiguous"),  # large batch, odd spatial size
+        ((300, 8, 6, 7), "channels_last"),
+        ((5, 16, 9, 9), "sliced"),  # non-contiguous channels: copied once
+        ((5, 16, 9, 9), "transposed"),
+        ((5, 16, 9, 9), "batch_sliced"),  # dense samples, batch stride > C*H*W
+        ((7, 3, 13, 5), "contiguous"),  # sizes not multiples of 4
+    ],
+)
+def test_conv_input_stats_awkward_inputs_and_dtypes(ext, impl, dtype, shape, layout):
+    m = nn.Conv2d(shape[1], 4, 3, stride=2, padding=1, groups=1 if shape[1] % 2 else 2).to(DEV)
+    x = randn(shape, dtype=dtype, layout=layout)
+    h, hn = kernel_rule(impl, m, x, "in")
+    h_ref, hn_ref = torch_rule(impl, m, x, "in")
+    assert h.dtype == torch.float32 and hn == hn_ref
+    close(h, h_ref, STAT_RTOL)
+
+
+def test_conv_input_stats_resnet_sizes(ext, impl):
+    """The benchmark's shapes (batch splits and column chunks engaged)."""
+    for C, HW, k, st, p in [(3, 32, 3, 1, 1), (64, 32, 3, 1, 1), (64, 32, 1, 2, 0), (128, 16, 3, 2, 1), (512, 4, 3, 1, 1)]:
+        m = nn.Conv2d(C, 8, k, stride=st, padding=p, bias=False).to(DEV)
+        x = randn((256, C, HW, HW))
+        close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+
+
+def test_conv_unbatched_input_and_other_padding_modes_fall_back(ext, impl):
+    m = nn.Conv2d(3, 4, 3, padding=1).to(DEV)
+    x = randn((3, 8, 8))  # unbatched
+    close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+    r = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect").to(DEV)
+    x = randn((2, 3, 8, 8))
+    close(kernel_rule(impl, r, x, "in")[0], torch_rule(impl, r, x, "in")[0], STAT_RTOL)
+
+
+def test_conv_input_stats_direct_op(ext):
+    """The op itself, geometry passed explicitly (padding top/left; bottom/right implied)."""
+    m = nn.Conv2d(6, 3, (3, 4), stride=(2, 1), padding=(2, 1), dilation=(1, 2)).to(DEV)
+    x = randn((4, 6, 9, 10))
+    Ho, Wo = conv_output_hw(m, (9, 10))
+    left, _, top, _ = conv_padding(m)
+    h = ext.conv_input_stats(x, list(m.kernel_size), list(m.stride), [top, left], list(m.dilation), 1, [Ho, Wo])
+    patches = spec.conv2d_patches(copy.deepcopy(m).double(), x.double())  # (rows, K [+1])
+    K = 6 * 3 * 4
+    close(h, patches[:, :K].square().sum(0), STAT_RTOL)
+
+
+# --------------------------------------------------------------------------- per-channel stats
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced", "transposed"])
+@pytest.mark.parametrize("shape", [(4, 13, 7, 5), (1, 8, 3, 3), (260, 6, 4, 4), (2, 64, 1, 1), (3, 1, 5, 6)])
+def test_conv_and_batchnorm_output_stats(ext, impl, dtype, layout, shape):
+    s = randn(shape, dtype=dtype, layout=layout)
+    conv = nn.Conv2d(3, shape[1], 1).to(DEV)
+    bn = nn.BatchNorm2d(shape[1]).to(DEV)
+    for m in (conv, bn):
+        got, n = kernel_rule(impl, m, s, "out")
+        want, n_ref = torch_rule(impl, m, s, "out")
+        assert n == n_ref and got.dtype == torch.float32
+        close(got, want, STAT_RTOL)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced", "transposed"])
+@pytest.mark.parametrize("shape", [(4, 13, 7, 5), (1, 8, 3, 3), (260, 6, 4, 4), (5, 7, 1, 9)])
+def test_batchnorm_input_stats(ext, impl, dtype, layout, shape):
+    x = randn(shape, dtype=dtype, layout=layout)
+    bn = nn.BatchNorm2d(shape[1]).to(DEV)
+    got, n = kernel_rule(impl, bn, x, "in")
+    want, n_ref = torch_rule(impl, bn, x, "in")
+    assert n == n_ref
+    close(got, want, STAT_RTOL)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("shape", [(5, 13), (1, 7), (1000, 33), (3, 4, 21), (2, 3, 5, 8), (17,)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_stats(ext, impl, dtype, shape, bias):
+    m = nn.Linear(shape[-1], 6, bias=bias).to(DEV)
+    x = randn(shape, dtype=dtype)
+    s = randn((*shape[:-1], 6), dtype=dtype)
+    for side, t in (("in", x), ("out", s)):
+        got, n = kernel_rule(impl, m, t, side)
+        want, n_ref = torch_rule(impl, m, t, side)
+        assert n == n_ref
+        close(got, want, STAT_RTOL)
+    xt = randn((shape[-1], 9), dtype=dtype).t()  # non-contiguous 2-D input
+    close(kernel_rule(impl, m, xt, "in")[0], torch_rule(impl, m, xt, "in")[0], STAT_RTOL)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("shape", [(6, 10), (4, 7, 10), (1, 3, 10), (2, 5, 3, 10)])
+def test_layernorm_stats(ext, impl, dtype, shape):
+    m = nn.LayerNorm(10).to(DEV)
+    x = randn(shape, dtype=dtype)
+    s = randn(shape, dtype=dtype)
+    for side, t in (("in", x), ("out", s)):
+        got, n = kernel_rule(impl, m, t, side)
+        want, n_ref = torch_rule(impl, m, t, side)
+        assert n == n_ref
+        close(got, want, STAT_RTOL)
+
+
+def test_channel_stats_direct_op_and_divisor(ext):
+    t = randn((6, 5, 4))
+    close(ext.channel_stats(t, 1, True, 0.0), t.double().square().sum((0, 2)), STAT_RTOL)
+    close(ext.channel_stats(t, -1, False, 3.0), t.double().sum((0, 1)) / 3.0, STAT_RTOL)
+    close(ext.channel_stats(t, 0, False, 0.0), t.double().sum((1, 2)), STAT_RTOL)
+    assert ext.channel_stats(t[:, :0], 1, True, 0.0).shape == (0,)
+    assert torch.equal(ext.channel_stats(t[:0], 1, True, 0.0).cpu(), torch.zeros(5))
+
+
+def test_capture_ops_raise_clear_errors(ext):
+    t = randn((3, 4))
+    with pytest.raises(RuntimeError, match="dim"):
+        ext.channel_stats(t, 5, True, 0.0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ext.channel_stats(t.cpu(), 0, True, 0.0)
+    with pytest.raises(RuntimeError, match="float64|Double"):
+        ext.channel_stats(t.double(), 0, True, 0.0)
+    with pytest.raises(RuntimeError, match="4-D"):
+        ext.conv_input_stats(t, [1, 1], [1, 1], [0, 0], [1, 1], 1, [3, 4])
+    with pytest.raises(RuntimeError, match="groups"):
+        ext.conv_input_stats(randn((2, 3, 4, 4)), [1, 1], [1, 1], [0, 0], [1, 1], 2, [4, 4])
+    v = torch.rand(4, device=DEV)
+    with pytest.raises(RuntimeError, match=r"H\[0\]"):
+        ext.factor_update_([v], [v], [v], [v], [0], [1], [1.0], [1.0], [1.0], [1.0], 0.08, 0.008)
+    with pytest.raises(RuntimeError, match="one entry per layer"):
+        ext.factor_update_([v], [v, v], [v], [v], [0], [0], [1.0], [1.0], [1.0], [1.0], 0.08, 0.008)
+
+
+# --------------------------------------------------------------------------- factor update
+
+LAYERS = {
+    "lin_bias": lambda: nn.Linear(7, 5),
+    "lin": lambda: nn.Linear(9, 3, bias=False),
+    "conv_bias": lambda: nn.Conv2d(4, 6, 3, groups=2),
+    "conv": lambda: nn.Conv2d(3, 5, 1, bias=False),
+    "bn": lambda: nn.BatchNorm2d(6),
+    "ln": lambda: nn.LayerNorm(11),
+}
+
+
+def make_captures(names, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    caps = []
+    for i, name in enumerate(names):
+        kind = name.split("#")[0]
+        module = LAYERS[kind]().to(DEV)
+        rule = rule_for(module)
+        nh = {"lin_bias": 7, "lin": 9, "conv_bias": 2 * 9, "conv": 3, "bn": 6, "ln": 11}[kind]
+        ns = {"lin_bias": 5, "lin": 3, "conv_bias": 6, "conv": 5, "bn": 6, "ln": 11}[kind]
+        cap = LayerCapture(name, module, rule, lambda: True)
+        h = torch.rand(nh, generator=gen).add_(0.1)
+        s = torch.rand(ns, generator=gen).add_(0.1)
+        if kind in ("bn", "ln"):
+            s = s - 0.5  # plain sums can be negative
+        cap.pending = PendingStats(h.to(DEV), float(3 + i), s.to(DEV), float(5 + 2 * i), calls=1)
+        caps.append(cap)
+    return caps
+
+
+def run_both(impl, caps, gamma=0.8, grad_scale=None):
+    torch_caps = [copy.copy(c) for c in caps]
+    for tc, c in zip(torch_caps, caps):
+        tc.pending = PendingStats(c.pending.h.clone(), c.pending.hn, c.pending.s.clone(), c.pending.sn, c.pending.calls)
+        tc.H = None if c.H is None else c.H.clone()
+        tc.S = None if c.S is None else c.S.clone()
+    impl("torch")
+    rep_t = update_factors(torch_caps, gamma, grad_scale)
+    impl("kernels")
+    rep_k = update_factors(caps, gamma, grad_scale)
+    return rep_t, rep_k, torch_caps
+
+
+def assert_same_factors(caps, torch_caps):
+    for c, t in zip(caps, torch_caps):
+        assert (c.H is None) == (t.H is None), c.name
+        if c.H is None:
+            continue
+        close(c.H, t.H, FACTOR_RTOL)
+        close(c.S, t.S, FACTOR_RTOL)
+
+
+ALL = ["lin_bias", "lin", "conv_bias", "conv", "bn", "ln"]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 1.0, 1024.0])
+def test_factor_update_matches_the_torch_path_first_and_later_captures(ext, impl, grad_scale):
+    caps = make_captures(ALL)
+    rep_t, rep_k, torch_caps = run_both(impl, caps, grad_scale=grad_scale)
+    assert list(rep_k.updated) == list(rep_t.updated) == ALL and list(rep_k.non_finite) == []
+    assert_same_factors(caps, torch_caps)
+    for step in range(3):  # later captures fold into the stored factors
+        fresh = make_captures(ALL, seed=step + 1)
+        for c, f in zip(caps, fresh):
+            c.pending = f.pending
+        stored = [(c.H, c.S) for c in caps]
+        rep_t, rep_k, torch_caps = run_both(impl, caps, gamma=0.8, grad_scale=grad_scale)
+        assert all(c.H is h and c.S is s for c, (h, s) in zip(caps, stored))  # updated in place
+        assert_same_factors(caps, torch_caps)
+
+
+def test_factor_update_nan_keeps_previous_factors_and_inf_maps_like_torch(ext, impl):
+    caps = make_captures(ALL)
+    run_both(impl, caps)
+    before = {c.name: (c.H.clone(), c.S.clone()) for c in caps}
+    fresh = make_captures(ALL, seed=7)
+    for c, f in zip(caps, fresh):
+        c.pending = f.pending
+    caps[0].pending.h[2] = float("nan")  # NaN in H_raw
+    caps[4].pending.s[1] = float("nan")  # NaN in S_raw of a two-column layer
+    caps[1].pending.s[0] = float("inf")  # +inf -> 1
+    caps[2].pending.h[3] = float("inf")
+    caps[5].pending.s[2] = float("-inf")  # (-inf)^2 = inf for the two-column S
+    caps[3].pending.h[0] = -float("inf")  # -inf -> 0
+    rep_t, rep_k, torch_caps = run_both(impl, caps)
+    assert list(rep_k.non_finite) == list(rep_t.non_finite) == ["lin_bias", "bn"]
+    assert list(rep_k.updated) == list(rep_t.updated) == ["lin", "conv_bias", "conv", "ln"]
+    for i in (0, 4):
+        assert torch.equal(caps[i].H, before[caps[i].name][0]) and torch.equal(caps[i].S, before[caps[i].name][1])
+    assert_same_factors(caps, torch_caps)
+
+
+def test_factor_update_nan_at_the_first_capture_leaves_no_factors(ext, impl):
+    caps = make_captures(["conv", "lin"])
+    caps[0].pending.s[0] = float("nan")
+    rep_t, rep_k, torch_caps = run_both(impl, caps)
+    assert caps[0].H is None and caps[0].S is None and torch_caps[0].H is None
+    assert list(rep_k.non_finite) == ["conv"] and list(rep_k.updated) == ["lin"]
+    assert_same_factors(caps, torch_caps)
+
+
+def test_factor_update_many_layers_several_launches(ext, impl):
+    names = [f"{ALL[i % len(ALL)]}#{i}" for i in range(ext.FACTOR_MAX_LAYERS_PER_LAUNCH * 2 + 3)]
+    caps = make_captures(names)
+    caps[60].pending.h[0] = float("nan")
+    rep_t, rep_k, torch_caps = run_both(impl, caps)
+    assert list(rep_k.non_finite) == list(rep_t.non_finite) == [names[60]]
+    assert list(rep_k.updated) == list(rep_t.updated)
+    assert_same_factors(caps, torch_caps)
+
+
+def test_factor_update_shape_change_reinitialises(ext, impl):
+    caps = make_captures(["lin_bias"])
+    caps[0].H = torch.full((3,), 0.5, device=DEV)  # stale factors of another shape
+    caps[0].S = torch.full((2,), 0.5, device=DEV)
+    rep_t, rep_k, torch_caps = run_both(impl, caps)
+    assert caps[0].H.shape == (8,)
+    assert_same_factors(caps, torch_caps)
+
+
+def test_factor_update_is_bitwise_for_linear_layers(ext, impl):
+    """Same fp32 operations in the same order: expected bit for bit (documents the claim)."""
+    caps = make_captures(["lin_bias", "lin", "conv"])
+    rep_t, rep_k, torch_caps = run_both(impl, caps)
+    for c, t in zip(caps, torch_caps):
+        assert torch.equal(c.H, t.H) and torch.equal(c.S, t.S), c.name
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_training_factors_equal_with_kernels_and_torch(ext, impl):
+    from lightning_cafin import AdaFisher
+    from lightning_cafin.models import ResNet18
+
+    torch.manual_seed(0)
+    base = ResNet18(10, 3, 8).to(DEV)
+    x = torch.randn(6, 3, 16, 16, device=DEV)
+    y = torch.randint(0, 10, (6,), device=DEV)
+    results = {}
+    for name in ("torch", "kernels"):
+        impl(name)
+        model = copy.deepcopy(base)
+        opt = AdaFisher(model, lr=1e-3, TCov=2, backend="foreach")
+        for _ in range(5):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        results[name] = {n: (c.H.clone(), c.S.clone()) for n, c in opt._captures.items()}
+    assert results["torch"].keys() == results["kernels"].keys()
+    for n in results["torch"]:
+        close(results["kernels"][n][0], results["torch"][n][0], 1e-5)
+        close(results["kernels"][n][1], results["torch"][n][1], 1e-5)
