@@ -140,20 +140,24 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
               "groups * Ho * Wo is too large");
 
-  const int64_t target = 4 * static_cast<int64_t>(capture_sm_count());
+  // Grids of about two blocks per multiprocessor: the capture path is bound by the
+  // host's launch rate more than by these kernels, so splits that cost an extra launch
+  // are used only where the grid would otherwise be small.
+  const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
   const int64_t nsplit = clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64));
   const int64_t per_col = groups * out_hw[0] * out_hw[1];
-  const int64_t col_chunks = clamp64(ceil_div(2 * capture_sm_count(), K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
+  const int64_t col_chunks = clamp64(ceil_div(target, K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
 
-  at::Tensor map = new_f32(M, x);
-  at::Tensor ws_rows = nsplit > 1 ? new_f32(nsplit * M, x) : at::Tensor();
-  at::Tensor ws_cols = col_chunks > 1 ? new_f32(col_chunks * K, x) : at::Tensor();
+  // one workspace: the map, the batch-split partial maps, the column-chunk partials
+  const int64_t n_rows = nsplit > 1 ? nsplit * M : 0;
+  const int64_t n_cols = col_chunks > 1 ? col_chunks * K : 0;
+  at::Tensor ws = new_f32(M + n_rows + n_cols, x);
+  float* map = ws.data_ptr<float>();
   check_launch(launch_conv_input_stats(a, x.scalar_type(), static_cast<int>(nsplit), static_cast<int>(col_chunks),
-                                       nsplit > 1 ? ws_rows.data_ptr<float>() : nullptr, map.data_ptr<float>(),
-                                       col_chunks > 1 ? ws_cols.data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                                       current_stream(x)),
+                                       n_rows ? map + M : nullptr, map, n_cols ? map + M + n_rows : nullptr,
+                                       out.data_ptr<float>(), current_stream(x)),
                kConv);
   return out;
 }
@@ -202,7 +206,7 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
-  const int64_t target = 4 * static_cast<int64_t>(capture_sm_count());
+  const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());  // see conv_input_stats
   int64_t nsplit;
   if (rows) {
     const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
