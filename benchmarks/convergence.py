@@ -368,8 +368,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"convergence study on {device}: {len(data['train'][0])} training / {len(data['test'][0])} test images, "
           f"{cfg.epochs} epochs, optimizers {names}, seeds {seeds}", flush=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    for name in names:
-        for seed in seeds:
+    for seed in seeds:  # seed by seed, so that a cut-short study still compares every optimizer
+        for name in names:
             path = out / "runs" / f"{name}-seed{seed}.json"
             if args.resume and path.is_file() and json.loads(path.read_text())["config"] == asdict(cfg):
                 print(f"[{name} seed {seed}] already done ({path})", flush=True)
