@@ -415,7 +415,11 @@ def test_factor_update_is_bitwise_for_linear_layers(ext, impl):
 # --------------------------------------------------------------------------- end to end
 
 
-def test_training_factors_equal_with_kernels_and_torch(ext, impl):
+def test_first_capture_of_a_real_network_equals_the_torch_path(ext, impl):
+    """Hooks on a ResNet (in-place ReLUs, residual adds): the factors of one capture step
+    from identical weights and data.  Later captures are not compared: cuDNN's weight
+    gradients are not bitwise reproducible, and the optimizer's ~1/Lambda scaling makes
+    the two trajectories drift apart, kernels or not."""
     from lightning_cafin import AdaFisher
     from lightning_cafin.models import ResNet18
 
@@ -427,13 +431,13 @@ def test_training_factors_equal_with_kernels_and_torch(ext, impl):
     for name in ("torch", "kernels"):
         impl(name)
         model = copy.deepcopy(base)
-        opt = AdaFisher(model, lr=1e-3, TCov=2, backend="foreach")
-        for _ in range(5):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        opt = AdaFisher(model, lr=1e-3, TCov=100, backend="foreach")
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.health["capture_steps"] == 1 and opt.health["non_finite_statistics"] == 0
         results[name] = {n: (c.H.clone(), c.S.clone()) for n, c in opt._captures.items()}
-    assert results["torch"].keys() == results["kernels"].keys()
+    assert results["torch"].keys() == results["kernels"].keys() and len(results["torch"]) == 41
     for n in results["torch"]:
         close(results["kernels"][n][0], results["torch"][n][0], 1e-5)
         close(results["kernels"][n][1], results["torch"][n][1], 1e-5)
