@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_cafin import AdaFisher
+from lightning_cafin.capture import kernels as capture_impl
 from lightning_cafin.data.augment import normalize, random_crop_flip
 from lightning_cafin.data.datamodules import IDX_STATS
 from lightning_cafin.data.idx import find_idx_files, read_idx
@@ -49,11 +50,13 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "adafisher-fused": lambda m: AdaFisher(m, lr=1e-3, weight_decay=5e-4, backend="fused"),
     "adafisher-reference": lambda m: AdaFisher(m, lr=1e-3, weight_decay=5e-4, backend="reference"),
     "adafisher-foreach": lambda m: AdaFisher(m, lr=1e-3, weight_decay=5e-4, backend="foreach"),
+    # the fused step with the factor statistics taken by the torch ops instead of the capture kernels
+    "adafisher-fused-torchcapture": lambda m: AdaFisher(m, lr=1e-3, weight_decay=5e-4, backend="fused"),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=5e-4,
                                        fused=next(m.parameters()).is_cuda),
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True),
 }
-STUDY_OPTIMIZERS = ["adafisher-fused", "adafisher-reference", "adam", "sgd"]
+STUDY_OPTIMIZERS = ["adafisher-fused", "adafisher-reference", "adafisher-fused-torchcapture", "adam", "sgd"]
 REFERENCE = "adafisher-reference"
 
 
@@ -151,6 +154,14 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 2000) -> tuple
 
 
 def train_one(name: str, seed: int, cfg: StudyConfig, data: dict, device: torch.device, log=print) -> Run:
+    previous = capture_impl.set_impl("torch" if name.endswith("-torchcapture") else "auto")
+    try:
+        return _train(name, seed, cfg, data, device, log)
+    finally:
+        capture_impl.set_impl(previous)
+
+
+def _train(name: str, seed: int, cfg: StudyConfig, data: dict, device: torch.device, log) -> Run:
     torch.manual_seed(seed)  # the same initial weights for every optimizer of this seed
     model = ResNet18(num_classes=10, in_channels=1, width=cfg.width).to(device)
     opt = OPTIMIZERS[name](model)
