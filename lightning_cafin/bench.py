@@ -23,11 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
-import re
 import statistics
-import subprocess
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -38,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import AdaFisher, AdaFisherW, __version__
+from . import AdaFisher, AdaFisherW
 from .backends import fused_unavailable_reason
 from .models import ResNet18, TransformerClassifier
 from .monitor.memory import TemporaryMemory
 from .optimizer import _AdaFisherBase
+from .provenance import provenance
 
 
 @dataclass
@@ -237,25 +234,6 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
     return results
 
 
-def provenance(device: torch.device, argv: list[str]) -> dict:
-    commit = os.environ.get("CAFIN_COMMIT", "")  # a copied tree without git history names it here
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-        except Exception:
-            commit = ""
-    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
-        commit = ""
-    return {
-        "command": "python -m lightning_cafin.bench " + " ".join(argv),
-        "commit": commit or "unknown",
-        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "lightning_cafin": __version__,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
 def table(results: list[Result]) -> str:
     cols = ["workload", "variant", "step_ms", "capture_ms", "train_step_ms", "temp_mb", "state_mb", "GBps", "of_copy"]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
@@ -351,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = ratios(results)
-    record = {"provenance": provenance(device, raw_argv), "results": [asdict(r) for r in results], "ratios": summary}
+    record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)), "results": [asdict(r) for r in results], "ratios": summary}
     (out / "bench.json").write_text(json.dumps(record, indent=2))
     chart_note = plot(results, out / "bench.png")
     print(table(results))

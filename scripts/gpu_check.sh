@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's check: build the extension for Hopper, run the cuda-marked tests and
 # the whole suite, then the benchmark; logs under $OUT (or ./gpu_out), a short table last.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export CAFIN_DATA_DIR="${CAFIN_DATA_DIR:-$PWD/data/fashion-mnist}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m lightning_cafin.kernels.loader --build > "$OUT/build.log" 2>&1; echo "build rc=$?" | tee -a "$OUT/gpu.txt"

@@ -3,16 +3,7 @@
 # (the fused step on a GPU), then the convergence study; logs and results under $OUT.
 # Carry: data (the Fashion-MNIST .gz files in data/fashion-mnist) and vendor (scripts/vendor_wheels.sh).
 # Env: STUDY_ARGS (e.g. "--epochs 5"), QUICKSTART=0 to skip the quick start.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export CAFIN_DATA_DIR="${CAFIN_DATA_DIR:-$PWD/data/fashion-mnist}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d vendor ] && ! python3 -c "import jsonargparse" 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links vendor "jsonargparse[signatures]" > "$OUT/vendor.log" 2>&1
-  echo "vendored wheels rc=$?"
-fi
+source "$(dirname "$0")/gpu_env.sh"
 python3 -m lightning_cafin.kernels.loader --build > "$OUT/build.log" 2>&1; echo "build rc=$?"
 if [ "${QUICKSTART:-1}" = 1 ]; then
   python3 -m lightning_cafin.cli fit --config configs/quickstart.yaml \
