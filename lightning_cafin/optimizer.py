@@ -24,7 +24,7 @@ from .backends import BACKEND_NAMES, FactorView, StepBackend, StepBatch, StepHyp
 from .backends.foreach import ForeachBackend
 from .backends.fused import unsupported_reason as fused_unsupported_reason
 from .capture.distributed import all_reduce_pending
-from .capture.factors import update_factors
+from .capture.factors import CaptureReport, update_factors
 from .capture.hooks import LayerCapture, attach, detach
 from .capture.layers import ParamSlot, rule_for
 
@@ -104,7 +104,8 @@ class _AdaFisherBase(Optimizer):
         self._factors_version = 0
         self._summary: Optional[str] = None
         self._warned: set[str] = set()
-        self.health: dict[str, Any] = {
+        self._unread_report: Optional[CaptureReport] = None
+        self._health: dict[str, Any] = {
             "skipped_steps": 0,
             "capture_steps": 0,
             "modules_not_fired": [],
@@ -283,7 +284,7 @@ class _AdaFisherBase(Optimizer):
         with torch.no_grad():
             if found_inf is not None and found_inf.item() != 0:
                 self._discard_pending()
-                self.health["skipped_steps"] += 1
+                self._health["skipped_steps"] += 1
                 return loss
             bound_now = self._first_step_notices()
             if self._is_capture_step() and not bound_now:
@@ -307,7 +308,7 @@ class _AdaFisherBase(Optimizer):
             return False
         late = self._model is None and self._bind_offered_model()
         self._summary = self.summary()
-        self.health["params_f_one"] = sum(
+        self._health["params_f_one"] = sum(
             1 for g in self.param_groups for p in g["params"] if id(p) not in self._slots
         )
         log.info(self._summary)
@@ -345,12 +346,16 @@ class _AdaFisherBase(Optimizer):
         all_reduce_pending(list(self._captures.values()), self.statistics_group)
         report = update_factors(list(self._captures.values()), self.defaults["gamma"], scale)
         self._factors_version += 1
-        self.health["capture_steps"] += 1
-        self.health["non_finite_statistics"] += len(report.non_finite)
+        self._settle_capture_report()
+        self._health["capture_steps"] += 1
         trainable = [n for n in report.not_fired if any(p.requires_grad for p in self._captures[n].module.parameters(recurse=False))]
-        self.health["modules_not_fired"] = trainable
-        for name in report.non_finite:
-            self._warn_once(f"nonfinite:{name}", f"non-finite statistics for {name!r}: its factors were kept unchanged")
+        self._health["modules_not_fired"] = trainable
+        # Which layers had NaN statistics is decided on the device by the capture kernels;
+        # reading it now would make every capture step wait for the GPU, so it is read when
+        # the health counters are, or at the next capture step.
+        self._unread_report = report
+        if report.settled:
+            self._settle_capture_report()
         for name in trainable:
             self._warn_once(
                 f"notfired:{name}",
@@ -358,6 +363,22 @@ class _AdaFisherBase(Optimizer):
                 "its factors were not updated (F = 1 until they are)" if self._captures[name].S is None else
                 f"no training forward/backward reached {name!r} before a capture step; its factors were kept",
             )
+
+    @property
+    def health(self) -> dict[str, Any]:
+        """Counters: skipped steps, capture steps, modules whose hooks never fired, non-finite
+        statistics, parameters on F = 1.  Reading them settles the last capture step's
+        device-side verdicts (at most one wait for the GPU)."""
+        self._settle_capture_report()
+        return self._health
+
+    def _settle_capture_report(self) -> None:
+        report, self._unread_report = self._unread_report, None
+        if report is None:
+            return
+        self._health["non_finite_statistics"] += len(report.non_finite)
+        for name in report.non_finite:
+            self._warn_once(f"nonfinite:{name}", f"non-finite statistics for {name!r}: its factors were kept unchanged")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

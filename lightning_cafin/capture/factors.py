@@ -108,6 +108,11 @@ class CaptureReport:
         self.updated: Sequence[str] = _Names(lambda: self._names(want_nan=False))
         self.non_finite: Sequence[str] = _Names(lambda: self._names(want_nan=True))
 
+    @property
+    def settled(self) -> bool:
+        """Whether every verdict is known on the host already (reading ``non_finite`` would not wait)."""
+        return self._device is None
+
     def _decided(self, name: str, nan: Optional[bool]) -> None:
         """Record a torch-path decision (nan True/False) or a kernel layer (None)."""
         self._order.append(name)
