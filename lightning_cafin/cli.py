@@ -72,7 +72,8 @@ class CafinCLI(LightningCLI):
         return _imports(getattr(optimizer, "class_path", None) if optimizer is not None else None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        callbacks = list(self._get(self.config_init, "trainer", default={}).get("callbacks") or [])
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        callbacks = list(configured) if isinstance(configured, (list, tuple)) else [configured]
         optimizer_class = self._optimizer_class()
         wants_callback = optimizer_class is not None and issubclass(optimizer_class, _AdaFisherBase)
         if wants_callback and not any(isinstance(c, CAFINCallback) for c in callbacks):

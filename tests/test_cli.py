@@ -175,3 +175,12 @@ def test_validate_and_test_subcommands(workdir, subcommand, metric):
     cli = CafinCLI(args=[subcommand, "--config", str(REPO / "configs" / "quickstart.yaml"),
                          f"--trainer.limit_{'val' if subcommand == 'validate' else 'test'}_batches=2"])
     assert 0.0 <= float(cli.trainer.callback_metrics[metric]) <= 1.0
+
+
+@needs_fashion
+def test_a_single_callback_given_as_a_mapping_is_kept(workdir):
+    cli = CafinCLI(args=["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.fast_dev_run=true",
+                         "--trainer.callbacks={'class_path': 'lightning_cafin.CAFINCallback', "
+                         "'init_args': {'divergence_every_n_steps': 7}}"])
+    (callback,) = _cafin_callbacks(cli.trainer)
+    assert callback.divergence_every_n_steps == 7
