@@ -13,9 +13,10 @@ over seeds) and the time to a target accuracy.
     python benchmarks/convergence.py --out docs/results/convergence-h200      # the study (GPU)
     python benchmarks/convergence.py --smoke --out /tmp/smoke                 # seconds, on a CPU
 
-Each finished run is written to ``<out>/runs/`` at once, so an interrupted study resumes
-with ``--resume`` and a study split over several invocations is summarised with
-``--report-only``.  The summary is ``convergence.json`` (with provenance), ``.csv`` and
+Each finished run is appended to ``<out>/runs.jsonl`` at once (one line a run: one file
+however many runs, and nothing lost when a study is cut short), so an interrupted study
+resumes with ``--resume`` and one split over several invocations is summarised with
+``--report-only`` (append the other invocations' lines to one ``runs.jsonl`` first).  The summary is ``convergence.json`` (with provenance), ``.csv`` and
 ``.png``.  If fused and reference AdaFisher do not agree within seed noise the script
 says so and exits with status 1: that is a defect to find, not a result to report.
 """
@@ -318,11 +319,27 @@ def plot(runs: list[dict], path: Path) -> bool:
     return True
 
 
+RUNS_FILE = "runs.jsonl"
+
+
+def read_runs(out: Path) -> list[dict]:
+    """The finished runs in ``out/runs.jsonl``; a later line for the same optimizer and seed wins."""
+    path = out / RUNS_FILE
+    if not path.is_file():
+        return []
+    runs: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            run = json.loads(line)
+            runs[(run["optimizer"], run["seed"])] = run
+    return list(runs.values())
+
+
 def report(out: Path, command: str, device: torch.device) -> dict:
-    """Summarise every run file under ``out/runs`` into convergence.json / .csv / .png."""
-    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    """Summarise every run in ``out/runs.jsonl`` into convergence.json / .csv / .png."""
+    runs = read_runs(out)
     if not runs:
-        raise SystemExit(f"no run files under {out / 'runs'}: run the study first")
+        raise SystemExit(f"no finished runs in {out / RUNS_FILE}: run the study first")
     commits = sorted({r["provenance"]["commit"] for r in runs})
     machines = sorted({r["provenance"]["machine"] for r in runs})
     prov = provenance(device, command)
@@ -340,7 +357,7 @@ def report(out: Path, command: str, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for runs/ and the summary files")
+    ap.add_argument("--out", type=Path, required=True, help="folder for runs.jsonl and the summary files")
     ap.add_argument("--optimizers", nargs="+", choices=sorted(OPTIMIZERS), default=None)
     ap.add_argument("--seeds", nargs="+", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -352,8 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny subset, one epoch, two optimizers, a narrow network: checks the pipeline in seconds")
-    ap.add_argument("--resume", action="store_true", help="skip runs whose file already exists")
-    ap.add_argument("--report-only", action="store_true", help="only summarise the run files already in --out")
+    ap.add_argument("--resume", action="store_true", help="skip runs already in runs.jsonl (same configuration)")
+    ap.add_argument("--report-only", action="store_true", help="only summarise the runs already in --out/runs.jsonl")
     args = ap.parse_args(argv)
     command = "python benchmarks/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
     device = torch.device(args.device)
@@ -378,15 +395,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             "test": load_split("test", cfg.data_root, cfg.test_size, device)}
     print(f"convergence study on {device}: {len(data['train'][0])} training / {len(data['test'][0])} test images, "
           f"{cfg.epochs} epochs, optimizers {names}, seeds {seeds}", flush=True)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    done = {(r["optimizer"], r["seed"]) for r in read_runs(out) if r["config"] == asdict(cfg)} if args.resume else set()
+    if not args.resume:
+        (out / RUNS_FILE).unlink(missing_ok=True)
     for seed in seeds:  # seed by seed, so that a cut-short study still compares every optimizer
         for name in names:
-            path = out / "runs" / f"{name}-seed{seed}.json"
-            if args.resume and path.is_file() and json.loads(path.read_text())["config"] == asdict(cfg):
-                print(f"[{name} seed {seed}] already done ({path})", flush=True)
+            if (name, seed) in done:
+                print(f"[{name} seed {seed}] already done ({out / RUNS_FILE})", flush=True)
                 continue
             run = train_one(name, seed, cfg, data, device, log=lambda m: print(m, flush=True))
-            path.write_text(json.dumps(asdict(run), indent=1))
+            with open(out / RUNS_FILE, "a") as f:
+                f.write(json.dumps(asdict(run)) + "\n")
     return _verdict(report(out, command, device))
 
 

@@ -21,6 +21,8 @@ def test_smoke_run_writes_every_file_with_provenance(tmp_path, capsys):
     assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "convergence.json").read_text())
     assert set(result["summary"]) == {"adafisher-foreach", "adam"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convergence.csv", "convergence.json", "convergence.png",
+                                                           "runs.jsonl"], "few files: the GPU machine returns 8"
     for key in ("command", "commit", "machine", "torch", "date"):
         assert result["provenance"][key]
     assert result["provenance"]["command"].startswith("python benchmarks/convergence.py --smoke")
@@ -55,13 +57,19 @@ def test_same_seed_same_start_and_backends_agree(tmp_path):
 def test_resume_skips_finished_runs_and_report_only_summarises(tmp_path, capsys):
     args = ["--smoke", "--out", str(tmp_path), "--optimizers", "adam", "--train-size", "128"]
     assert study.main(args) == 0
-    before = (tmp_path / "runs" / "adam-seed0.json").read_text()
+    before = (tmp_path / "runs.jsonl").read_text()
+    assert len(before.splitlines()) == 1
     assert study.main(args + ["--resume"]) == 0
     assert "already done" in capsys.readouterr().out
-    assert (tmp_path / "runs" / "adam-seed0.json").read_text() == before
+    assert (tmp_path / "runs.jsonl").read_text() == before
     (tmp_path / "convergence.json").unlink()
     assert study.main(["--out", str(tmp_path), "--report-only"]) == 0
     assert (tmp_path / "convergence.json").is_file()
+
+
+def write_runs(out, runs):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
 
 
 def _fake_run(name, seed, accuracy):
@@ -75,11 +83,10 @@ def _fake_run(name, seed, accuracy):
 
 
 def test_disagreement_beyond_seed_noise_fails_the_study(tmp_path, capsys):
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    for seed, (fused, ref) in enumerate([(0.80, 0.91), (0.81, 0.92), (0.80, 0.915)]):
-        for name, acc in (("adafisher-fused", fused), ("adafisher-reference", ref)):
-            (runs / f"{name}-seed{seed}.json").write_text(json.dumps(_fake_run(name, seed, acc)))
+    runs = [_fake_run(name, seed, acc)
+            for seed, (fused, ref) in enumerate([(0.80, 0.91), (0.81, 0.92), (0.80, 0.915)])
+            for name, acc in (("adafisher-fused", fused), ("adafisher-reference", ref))]
+    write_runs(tmp_path, runs)
     assert study.main(["--out", str(tmp_path), "--report-only"]) == 1
     assert "DO NOT AGREE" in capsys.readouterr().out
     verdict = json.loads((tmp_path / "convergence.json").read_text())["agreement"]["adafisher-fused"]

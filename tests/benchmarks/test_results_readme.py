@@ -5,7 +5,7 @@ import json
 import pytest
 
 from .scripts import BENCHMARKS, load
-from .test_convergence import _fake_run
+from .test_convergence import _fake_run, write_runs
 
 readme = load("results_readme")
 study = load("convergence")
@@ -13,10 +13,9 @@ study = load("convergence")
 
 def _convergence_file(tmp_path):
     out = tmp_path / "conv"
-    (out / "runs").mkdir(parents=True)
-    for seed in range(3):
-        for name, acc in (("adafisher-fused", 0.91 + seed / 1000), ("adafisher-reference", 0.912), ("adam", 0.9)):
-            (out / "runs" / f"{name}-seed{seed}.json").write_text(json.dumps(_fake_run(name, seed, acc)))
+    write_runs(out, [_fake_run(name, seed, acc) for seed in range(3)
+                     for name, acc in (("adafisher-fused", 0.91 + seed / 1000), ("adafisher-reference", 0.912),
+                                       ("adam", 0.9))])
     assert study.main(["--out", str(out), "--report-only"]) == 0
     return out / "convergence.json"
 
