@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cafin import AdaFisher  # noqa: E402
+from lightning_cafin.bench import median_ms as bench_median_ms  # noqa: E402
 from lightning_cafin.capture import factors as factors_mod  # noqa: E402
 from lightning_cafin.models import ResNet18  # noqa: E402
 
@@ -42,24 +43,7 @@ def _sync():
 
 
 def median_ms(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    if DEV.type != "cuda":
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return bench_median_ms(fn, DEV, reps, warmup)
 
 
 def host_ms(fn, reps):
