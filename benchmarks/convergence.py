@@ -40,9 +40,9 @@ from torch import Tensor, nn
 
 from lightning_cafin import AdaFisher
 from lightning_cafin.capture import kernels as capture_impl
-from lightning_cafin.data.augment import normalize, random_crop_flip
-from lightning_cafin.data.datamodules import IDX_STATS
-from lightning_cafin.data.idx import find_idx_files, read_idx
+from lightning_cafin.data.augment import prepare_batch
+from lightning_cafin.data.datamodules import IDX_STATS, IDXDataModule
+from lightning_cafin.data.idx import load_idx_split
 from lightning_cafin.models import ResNet18
 from lightning_cafin.provenance import provenance
 
@@ -89,8 +89,7 @@ class Run:
 # ---------------------------------------------------------------------------- data
 def load_split(split: str, root: Optional[str], size: Optional[int], device: torch.device) -> tuple[Tensor, Tensor]:
     """Fashion-MNIST images as uint8 (N, 1, 28, 28) and int64 labels, on ``device`` (47 MB for all of it)."""
-    images_path, labels_path = find_idx_files("fashion-mnist", split, root)
-    x, y = read_idx(images_path).unsqueeze(1), read_idx(labels_path).long()
+    x, y = load_idx_split("fashion-mnist", split, root)
     if size is not None:
         x, y = x[:size], y[:size]
     return x.to(device), y.to(device)
@@ -98,10 +97,7 @@ def load_split(split: str, root: Optional[str], size: Optional[int], device: tor
 
 def preprocess(x: Tensor, augment: bool, generator: Optional[torch.Generator]) -> Tensor:
     mean, std = IDX_STATS["fashion-mnist"]
-    x = x.float().div_(255.0)
-    if augment:
-        x = random_crop_flip(x, padding=2, generator=generator)
-    return normalize(x, mean, std)
+    return prepare_batch(x, mean, std, IDXDataModule.crop_padding if augment else None, generator=generator)
 
 
 # ---------------------------------------------------------------------------- timing

@@ -3,7 +3,7 @@
 from .cifar import load_cifar
 from .datamodules import CIFARDataModule, IDXDataModule
 from .download import DownloadError, download_cifar, download_idx
-from .idx import DEBIAN_FASHION_MNIST, DataNotFoundError, find_idx_files, load_idx_dataset, read_idx
+from .idx import DEBIAN_FASHION_MNIST, DataNotFoundError, find_idx_files, load_idx_dataset, load_idx_split, read_idx
 
 __all__ = [
     "CIFARDataModule",
@@ -16,5 +16,6 @@ __all__ = [
     "find_idx_files",
     "load_cifar",
     "load_idx_dataset",
+    "load_idx_split",
     "read_idx",
 ]

@@ -45,3 +45,12 @@ def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
     m = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
     s = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
     return (x - m) / s
+
+
+def prepare_batch(x: Tensor, mean: Sequence[float], std: Sequence[float], crop_padding: Optional[int] = None,
+                  normalise: bool = True, generator: Optional[torch.Generator] = None) -> Tensor:
+    """uint8 images -> float in [0, 1], randomly cropped and flipped when ``crop_padding`` is given, normalised."""
+    x = x.float().div_(255.0)
+    if crop_padding is not None:
+        x = random_crop_flip(x, padding=crop_padding, generator=generator)
+    return normalize(x, mean, std) if normalise else x

@@ -18,10 +18,10 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from .augment import normalize, random_crop_flip
+from .augment import prepare_batch
 from .cifar import CIFAR_MEAN, CIFAR_STD, load_cifar
 from .download import download_cifar, download_idx
-from .idx import find_idx_files, read_idx
+from .idx import find_idx_files, load_idx_split
 
 #: Where ``download=True`` puts files when no ``root`` is given.
 DEFAULT_DOWNLOAD_ROOT = Path("data")
@@ -122,13 +122,9 @@ class _InMemoryImageDataModule(LightningDataModule):
     # -- on the device ----------------------------------------------------------------
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
-        x = x.float().div_(255.0)
-        trainer = self.trainer
-        if self.augment and trainer is not None and trainer.training:
-            x = random_crop_flip(x, padding=self.crop_padding)
-        if self.normalize:
-            x = normalize(x, self.mean, self.std)
-        return x, y
+        training = self.trainer is not None and self.trainer.training
+        padding = self.crop_padding if self.augment and training else None
+        return prepare_batch(x, self.mean, self.std, padding, self.normalize), y
 
 
 class IDXDataModule(_InMemoryImageDataModule):
@@ -171,12 +167,7 @@ class IDXDataModule(_InMemoryImageDataModule):
             download_idx(self.dataset, root)
 
     def _load(self, split: str) -> TensorDataset:
-        images_path, labels_path = find_idx_files(self.dataset, split, self._effective_root())
-        images, labels = read_idx(images_path), read_idx(labels_path).long()
-        if images.dim() != 3 or images.shape[0] != labels.shape[0]:
-            raise ValueError(f"{images_path} holds {tuple(images.shape)} images for {labels.shape[0]} labels "
-                             f"in {labels_path}")
-        return TensorDataset(images.unsqueeze(1).contiguous(), labels)
+        return TensorDataset(*load_idx_split(self.dataset, split, self._effective_root()))
 
 
 class CIFARDataModule(_InMemoryImageDataModule):

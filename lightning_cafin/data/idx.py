@@ -85,11 +85,17 @@ def find_idx_files(name: str = "fashion-mnist", split: str = "train", root=None)
     raise DataNotFoundError(f"{name} {split} files not found. Looked in:\n  {looked}\n{hint}")
 
 
+def load_idx_split(name: str = "fashion-mnist", split: str = "train", root=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images as stored, uint8 with a channel dim ``(N, 1, H, W)``, and labels as int64."""
+    images_path, labels_path = find_idx_files(name, split, root)
+    images, labels = read_idx(images_path), read_idx(labels_path).long()
+    if images.dim() != 3 or images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{images_path} holds {tuple(images.shape)} images for {labels.shape[0]} labels "
+                         f"in {labels_path}")
+    return images.unsqueeze(1).contiguous(), labels
+
+
 def load_idx_dataset(name: str = "fashion-mnist", split: str = "train", root=None) -> torch.utils.data.TensorDataset:
     """Images as float32 in [0, 1] with a channel dim ``(N, 1, 28, 28)``, labels as int64."""
-    images_path, labels_path = find_idx_files(name, split, root)
-    images = read_idx(images_path).unsqueeze(1).float().div_(255.0)
-    labels = read_idx(labels_path).long()
-    if images.shape[0] != labels.shape[0]:
-        raise ValueError(f"{images_path} has {images.shape[0]} images but {labels_path} {labels.shape[0]} labels")
-    return torch.utils.data.TensorDataset(images, labels)
+    images, labels = load_idx_split(name, split, root)
+    return torch.utils.data.TensorDataset(images.float().div_(255.0), labels)
