@@ -26,6 +26,7 @@
 
 #include "adafisher_step.h"
 #include "step_launch.h"
+#include "vector_io.cuh"
 
 // c10's stream header rather than ATen/cuda/CUDAContext.h: the latter pulls in
 // cuSPARSE/cuBLAS headers that a bare toolkit (only nvcc + cudart) may lack.
@@ -42,6 +43,8 @@
 
 namespace lightning_cafin {
 namespace {
+
+using namespace vector_io;
 
 // ---------------------------------------------------------------------------
 // Metadata passed by value.
@@ -79,66 +82,6 @@ static_assert(kStepChunkSize % (kStepBlockSize * 8) == 0,
 // ---------------------------------------------------------------------------
 // Loads and stores.
 // ---------------------------------------------------------------------------
-
-// 16 bytes of T.
-template <typename T>
-struct alignas(16) Pack16 {
-  T v[16 / sizeof(T)];
-};
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  return static_cast<T>(x);  // round to nearest even for Half / BFloat16
-}
-
-// N consecutive elements starting at src (16-byte aligned) into fp32 registers.
-template <int N, typename T>
-__device__ __forceinline__ void load_aligned(float (&dst)[N], const T* __restrict__ src) {
-  constexpr int kPer = 16 / sizeof(T);
-  static_assert(N % kPer == 0, "vector width must be a whole number of 16-byte packs");
-#pragma unroll
-  for (int q = 0; q < N / kPer; ++q) {
-    const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(src)[q];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_float(pk.v[j]);
-  }
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_aligned(T* __restrict__ dst, const float (&src)[N]) {
-  constexpr int kPer = 16 / sizeof(T);
-  static_assert(N % kPer == 0, "vector width must be a whole number of 16-byte packs");
-#pragma unroll
-  for (int q = 0; q < N / kPer; ++q) {
-    Pack16<T> pk;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) pk.v[j] = from_float<T>(src[q * kPer + j]);
-    reinterpret_cast<Pack16<T>*>(dst)[q] = pk;
-  }
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void load_partial(float (&dst)[N], const T* __restrict__ src, int valid) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = (j < valid) ? to_float(src[j]) : 0.f;
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_partial(T* __restrict__ dst, const float (&src)[N], int valid) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j < valid) dst[j] = from_float<T>(src[j]);
-  }
-}
-
-__device__ __forceinline__ bool is_aligned16(const void* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
-}
 
 // ---------------------------------------------------------------------------
 // The step kernel.

@@ -12,6 +12,7 @@
 // rounded multiplies and adds (no contraction), so it equals the unfused torch ops.
 
 #include "capture_launch.h"
+#include "vector_io.cuh"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -26,30 +27,15 @@
 namespace lightning_cafin {
 namespace {
 
-template <typename T>
-struct alignas(16) Pack16 {
-  T v[16 / sizeof(T)];
-};
-
-template <typename T>
-__device__ __forceinline__ float to_f(T x) {
-  return static_cast<float>(x);
-}
+using namespace vector_io;
 
 // V consecutive elements at p (16-byte aligned when V > 1) into fp32.
 template <int V, typename T>
 __device__ __forceinline__ void load_vec(float (&dst)[V], const T* __restrict__ p) {
   if constexpr (V == 1) {
-    dst[0] = to_f(p[0]);
+    dst[0] = to_float(p[0]);
   } else {
-    constexpr int kPer = 16 / sizeof(T);
-    static_assert(V % kPer == 0, "vector width must be whole 16-byte packs");
-#pragma unroll
-    for (int q = 0; q < V / kPer; ++q) {
-      const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(p)[q];
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_f(pk.v[j]);
-    }
+    load_aligned<V>(dst, p);
   }
 }
 

@@ -49,7 +49,7 @@ def _find_csrc() -> Path:
 
 _CSRC_DIR = _find_csrc()
 _SOURCES = ("bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu", "capture_ops.cpp", "capture_stats.cu")
-_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h")
+_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h", "vector_io.cuh")
 
 # Plain -O3: never --use_fast_math (it replaces IEEE division, and the fused step
 # must round like the unfused reference).
