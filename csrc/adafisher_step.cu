@@ -118,8 +118,10 @@ adafisher_step_kernel(const StepMeta meta,
     const double k = static_cast<double>(*meta.step[t]) + 1.0;
     const double bc = 1.0 - pow(sc.beta, k);
     // AdaFisher: the step size lr / bc.  AdaFisherW: the factor 1 / bc applied to m.
-    s_coef = sc.decoupled ? 1.0f / static_cast<float>(bc) : static_cast<float>(sc.lr / bc);
+    const double lr = sc.lr_ptr != nullptr ? static_cast<double>(*sc.lr_ptr) : sc.lr;
+    s_coef = sc.decoupled ? 1.0f / static_cast<float>(bc) : static_cast<float>(lr / bc);
   }
+  const float lr_f = sc.lr_ptr != nullptr ? *sc.lr_ptr : sc.lr_f;
   const bool has_gs = grad_scale != nullptr;
   const float gs = has_gs ? *grad_scale : 1.f;
   __syncthreads();
@@ -179,7 +181,7 @@ adafisher_step_kernel(const StepMeta meta,
         mv[j] = mj;
         float u = __fmul_rn(mj, coef) / F;
         if (sc.has_wd) u = fmaf(sc.wd_f, pj, u);
-        pv[j] = fmaf(-sc.lr_f, u, pj);
+        pv[j] = fmaf(-lr_f, u, pj);
       }
     }
 

@@ -37,6 +37,7 @@ void adafisher_step_(
     double weight_decay,
     bool decoupled,
     const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf);
+    const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& lr_tensor);
 
 }  // namespace lightning_cafin

@@ -78,7 +78,8 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      double weight_decay,
                      bool decoupled,
                      const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf) {
+                     const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& lr_tensor) {
   // Indices are int64_t, not size_t, in every message (see the note in dims_str).
   const int64_t n = static_cast<int64_t>(params.size());
   check_same_list_size(n, grads.size(), "grads");
@@ -196,6 +197,11 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
   }
 
   StepScalars sc;
+  sc.lr_ptr = nullptr;
+  if (lr_tensor.has_value() && lr_tensor->defined()) {
+    check_scalar_f32(*lr_tensor, "lr_tensor", device);
+    sc.lr_ptr = lr_tensor->data_ptr<float>();
+  }
   sc.lr = lr;
   sc.beta = beta;
   sc.lr_f = static_cast<float>(lr);

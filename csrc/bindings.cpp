@@ -21,12 +21,14 @@ ncols[i]] (col_offsets/ncols are ignored for unfactored entries).
 decoupled=False: AdaFisher (L2 decay); True: AdaFisherW (decoupled decay).
 grad_scale: optional float32 device scalar, gradients are divided by it.
 found_inf: optional float32 device scalar; nonzero means nothing changes at all.
+lr_tensor: optional float32 device scalar read as the learning rate on the device (lr
+is then ignored), so a scheduler's in-place update reaches a captured CUDA graph.
 No allocation, no host synchronisation: CUDA-graph capturable.)doc",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("steps"),
         py::arg("S_list"), py::arg("H_list"), py::arg("col_offsets"), py::arg("ncols"),
         py::arg("lr"), py::arg("beta"), py::arg("Lambda"), py::arg("weight_decay"),
         py::arg("decoupled"), py::arg("grad_scale") = py::none(),
-        py::arg("found_inf") = py::none());
+        py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
 
   m.def("conv_input_stats", &lightning_cafin::conv_input_stats,
         R"doc(Conv2d input statistics without patches, on the current CUDA stream.

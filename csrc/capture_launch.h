@@ -37,17 +37,22 @@ struct ConvInputArgs {
   int kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo;
 };
 
-// ws_rows: nsplit * C*H*W floats (unused when nsplit == 1); map: C*H*W floats;
-// ws_cols: col_chunks * K floats (unused when col_chunks == 1); out: K floats.
+// maps: nsplit * C*H*W floats (the batch-split partial maps, summed in split order by
+// phase 2); ws_cols: col_chunks * K floats and counters: K zeroed slots, both unused when
+// col_chunks == 1; out: K floats.  Two launches.
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
-                                    int col_chunks, float* ws_rows, float* map, float* ws_cols,
+                                    int col_chunks, float* maps, float* ws_cols, unsigned* counters,
                                     float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Per-channel statistics: out[o] = post_mul * sum_{a, p} f(t[a*sa + o*so + p*sp]),
 // f = square or identity.  Requires so == 1 (channels innermost: the "rows" kernel) or
 // sp == 1 with P > 1 (the "middle" kernel).  nsplit > 1: partial sums to ws
-// (nsplit * O floats), then summed in a fixed order.
+// (nsplit * O floats), summed in split order by the block that finishes last, which
+// needs O zeroed counter slots.  One launch.
+//
+// Counter slots are zero at rest: each launch's last block resets the ones it used, so
+// slots can be reused by any later launch on the same stream (never by two streams).
 // ---------------------------------------------------------------------------
 struct ChannelArgs {
   const void* t;
@@ -59,7 +64,8 @@ struct ChannelArgs {
 };
 
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
-                                 int nsplit, float* ws, float* out, cudaStream_t stream);
+                                 int nsplit, float* ws, unsigned* counters, float* out,
+                                 cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // The capture step's factor update, every layer in one launch (one block per layer).

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -70,6 +72,29 @@ cudaStream_t current_stream(const at::Tensor& t) {
 
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// n zeroed counter slots for the kernels' last-block reductions (capture_launch.h), from
+// one pool per (device, stream): a launch's last blocks reset the slots they used and
+// launches on one stream run in order, so the same slots serve every launch with no
+// clearing.  Null when the stream has no pool big enough and is being captured into a
+// CUDA graph (a zero fill made now would only run at replay): the caller then reduces
+// each column in one block.
+unsigned* counter_slots(const at::Tensor& like, int64_t n) {
+  constexpr int64_t kMinSlots = 4096;
+  static std::mutex mu;
+  // never destroyed: tensors freed after the CUDA context at exit would crash
+  static auto* pools = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const cudaStream_t stream = current_stream(like);
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& pool = (*pools)[{static_cast<int>(like.device().index()), stream}];
+  if (!pool.defined() || pool.numel() < n) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) return nullptr;
+    // on this stream, so the fill precedes every launch that uses the slots
+    pool = at::zeros({std::max(kMinSlots, 2 * n)}, like.options().dtype(at::kInt));
+  }
+  return reinterpret_cast<unsigned*>(pool.data_ptr<int32_t>());
 }
 
 }  // namespace
@@ -140,24 +165,28 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
               "groups * Ho * Wo is too large");
 
-  // Grids of about two blocks per multiprocessor: the capture path is bound by the
-  // host's launch rate more than by these kernels, so splits that cost an extra launch
-  // are used only where the grid would otherwise be small.
+  // Grids of about two blocks per multiprocessor: the batch is split only where the
+  // grid would otherwise be small (each split adds a partial map that phase 2 reads
+  // kh*kw times); column chunks are summed by their last block, in the same launch.
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
   const int64_t nsplit = clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64));
   const int64_t per_col = groups * out_hw[0] * out_hw[1];
-  const int64_t col_chunks = clamp64(ceil_div(target, K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
+  int64_t col_chunks = clamp64(ceil_div(target, K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
 
-  // one workspace: the map, the batch-split partial maps, the column-chunk partials
-  const int64_t n_rows = nsplit > 1 ? nsplit * M : 0;
+  unsigned* counters = nullptr;
+  if (col_chunks > 1 && (counters = counter_slots(x, K)) == nullptr) col_chunks = 1;
+
+  // one workspace: the batch-split partial maps (the map itself when nsplit == 1), then
+  // the column-chunk partials
+  const int64_t n_maps = nsplit * M;
   const int64_t n_cols = col_chunks > 1 ? col_chunks * K : 0;
-  at::Tensor ws = new_f32(M + n_rows + n_cols, x);
-  float* map = ws.data_ptr<float>();
-  check_launch(launch_conv_input_stats(a, x.scalar_type(), static_cast<int>(nsplit), static_cast<int>(col_chunks),
-                                       n_rows ? map + M : nullptr, map, n_cols ? map + M + n_rows : nullptr,
-                                       out.data_ptr<float>(), current_stream(x)),
+  at::Tensor ws = new_f32(n_maps + n_cols, x);
+  float* maps = ws.data_ptr<float>();
+  check_launch(launch_conv_input_stats(a, x.scalar_type(), static_cast<int>(nsplit), static_cast<int>(col_chunks), maps,
+                                       n_cols ? maps + n_maps : nullptr, counters, out.data_ptr<float>(),
+                                       current_stream(x)),
                kConv);
   return out;
 }
@@ -216,9 +245,11 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
     nsplit = clamp64(ceil_div(target, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
   }
   nsplit = std::min<int64_t>(nsplit, 1024);
+  unsigned* counters = nullptr;
+  if (nsplit > 1 && (counters = counter_slots(t, O)) == nullptr) nsplit = 1;
   at::Tensor ws = nsplit > 1 ? new_f32(nsplit * O, t) : at::Tensor();
   check_launch(launch_channel_stats(a, t.scalar_type(), rows, static_cast<int>(nsplit),
-                                    nsplit > 1 ? ws.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                                    nsplit > 1 ? ws.data_ptr<float>() : nullptr, counters, out.data_ptr<float>(),
                                     current_stream(t)),
                kChan);
   return out;

@@ -45,6 +45,43 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Part k of [0, n) cut into `parts` ranges of ceil(n / parts) elements (the last ones
+// may be short or empty): how every kernel below splits its reduction across blocks.
+struct Range {
+  int64_t lo, hi;
+};
+
+__device__ __forceinline__ Range split_range(int64_t n, int parts, int k) {
+  const int64_t per = (n + parts - 1) / parts;
+  const int64_t lo = static_cast<int64_t>(k) * per;
+  return {lo < n ? lo : n, lo + per < n ? lo + per : n};
+}
+
+// The last-block reduction: every block along y has stored its partial for column
+// blockIdx.x; true (in every thread) in the one block that finished that column last,
+// which then sums the partials in a fixed order.  The counter is reset by that block, so
+// the slots stay zero between launches on one stream (see capture_launch.h).
+__device__ bool finished_last(unsigned* counter, unsigned parts) {
+  __shared__ bool last;
+  __threadfence();  // this block's partials are visible to the block that sums them
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) + 1u == parts;
+    if (last) *counter = 0u;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// sum_{k < parts} partials[k * stride] in order k = 0, 1, ... (read through L2: other
+// blocks wrote them during this launch).
+__device__ __forceinline__ float sum_partials(const float* partials, int parts, int64_t stride) {
+  float acc = 0.f;
+  for (int k = 0; k < parts; ++k) acc += __ldcg(partials + static_cast<int64_t>(k) * stride);
+  return acc;
+}
+
 // Sum over the block (kCaptureBlock threads); the result is valid in every thread.
 __device__ float block_sum(float v, float* smem /* >= 32 floats */) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -72,9 +109,8 @@ __global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __r
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * kCaptureBlock + threadIdx.x) * V;
   if (i >= M) return;
   const int split = blockIdx.y;
-  const int64_t per = (B + nsplit - 1) / nsplit;
-  const int64_t b0 = split * per;
-  const int64_t b1 = b0 + per < B ? b0 + per : B;
+  const Range rb = split_range(B, nsplit, split);
+  const int64_t b0 = rb.lo, b1 = rb.hi;
   float acc[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
@@ -99,22 +135,14 @@ __global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __r
   for (int j = 0; j < V; ++j) out[j] = acc[j];
 }
 
-// out[i] = (sum_k ws[k * n + i]) [* post_mul], k in order.
-__global__ void __launch_bounds__(kCaptureBlock) sum_splits_kernel(const float* __restrict__ ws, int nsplit, int64_t n,
-                                                                   int apply_post, float post_mul,
-                                                                   float* __restrict__ out) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kCaptureBlock + threadIdx.x;
-  if (i >= n) return;
-  float acc = 0.f;
-  for (int k = 0; k < nsplit; ++k) acc += ws[k * n + i];
-  out[i] = apply_post ? acc * post_mul : acc;
-}
-
 // ---------------------------------------------------------------------------
 // Phase 2: one block per (weight column, position chunk).
 // ---------------------------------------------------------------------------
-__global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float* __restrict__ map, ConvInputArgs a,
-                                                                    int col_chunks, float* __restrict__ dst) {
+__global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float* __restrict__ maps, int nmaps,
+                                                                    ConvInputArgs a, int col_chunks,
+                                                                    float* __restrict__ partials,
+                                                                    unsigned* __restrict__ counters,
+                                                                    float* __restrict__ dst) {
   __shared__ float smem[32];
   const int taps = a.kh * a.kw;
   const int col = blockIdx.x;
@@ -124,14 +152,12 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float*
   const int ki = r / a.kw, kj = r - ki * a.kw;
   const int Cg = static_cast<int>(a.C / a.groups);
   const int64_t HW = a.H * a.W;
+  const int64_t M = a.C * HW;
   const int L = a.Ho * a.Wo;
-  const int64_t total = static_cast<int64_t>(a.groups) * L;
-  const int64_t per = (total + col_chunks - 1) / col_chunks;
-  const int64_t q0 = blockIdx.y * per;
-  const int64_t q1 = q0 + per < total ? q0 + per : total;
+  const Range rq = split_range(static_cast<int64_t>(a.groups) * L, col_chunks, blockIdx.y);
   const int y_off = ki * a.dh - a.pt, x_off = kj * a.dw - a.pl;
   float acc = 0.f;
-  for (int64_t q = q0 + threadIdx.x; q < q1; q += kCaptureBlock) {
+  for (int64_t q = rq.lo + threadIdx.x; q < rq.hi; q += kCaptureBlock) {
     const int grp = static_cast<int>(q / L);
     const int pos = static_cast<int>(q - static_cast<int64_t>(grp) * L);
     const int oy = pos / a.Wo, ox = pos - oy * a.Wo;
@@ -139,24 +165,36 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float*
     if (y < 0 || y >= a.H || xx < 0 || xx >= a.W) continue;
     const int64_t ch = static_cast<int64_t>(grp) * Cg + c;
     const int64_t idx = a.map_hwc ? (static_cast<int64_t>(y) * a.W + xx) * a.C + ch : ch * HW + static_cast<int64_t>(y) * a.W + xx;
-    acc += map[idx];
+    // the batch-split partial maps, summed in split order (nmaps == 1: the map itself)
+    float v = 0.f;
+    for (int k = 0; k < nmaps; ++k) v += maps[k * M + idx];
+    acc += v;
   }
   acc = block_sum(acc, smem);
-  if (threadIdx.x == 0) dst[static_cast<int64_t>(blockIdx.y) * K + col] = acc;
+  if (col_chunks == 1) {
+    if (threadIdx.x == 0) dst[col] = acc;
+    return;
+  }
+  if (threadIdx.x == 0) partials[static_cast<int64_t>(blockIdx.y) * K + col] = acc;
+  if (finished_last(counters + col, col_chunks) && threadIdx.x == 0) dst[col] = sum_partials(partials + col, col_chunks, K);
 }
 
 // ---------------------------------------------------------------------------
 // Per-channel statistics, channels in the middle (sp == 1, P > 1): block (o, split).
 // ---------------------------------------------------------------------------
+// A channel's whole sum, times post_mul when asked (torch's division by a scalar).
+__device__ __forceinline__ float finish(const ChannelArgs& a, float sum) { return a.apply_post ? sum * a.post_mul : sum; }
+
 template <typename T, int V>
 __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelArgs a, const T* __restrict__ t,
-                                                                       int nsplit, float* __restrict__ dst) {
+                                                                       int nsplit, float* __restrict__ partials,
+                                                                       unsigned* __restrict__ counters,
+                                                                       float* __restrict__ dst) {
   __shared__ float smem[32];
   const int64_t o = blockIdx.x;
   const int split = blockIdx.y;
-  const int64_t per = (a.A + nsplit - 1) / nsplit;
-  const int64_t a0 = split * per;
-  const int64_t a1 = a0 + per < a.A ? a0 + per : a.A;
+  const Range ra = split_range(a.A, nsplit, split);
+  const int64_t a0 = ra.lo, a1 = ra.hi;
   const int64_t PV = a.P / V;
   const T* base = t + o * a.so;
   float acc = 0.f;
@@ -182,10 +220,12 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
     }
   }
   acc = block_sum(acc, smem);
-  if (threadIdx.x == 0) {
-    const float res = (nsplit == 1 && a.apply_post) ? acc * a.post_mul : acc;
-    dst[static_cast<int64_t>(split) * a.O + o] = res;
+  if (nsplit == 1) {
+    if (threadIdx.x == 0) dst[o] = finish(a, acc);
+    return;
   }
+  if (threadIdx.x == 0) partials[static_cast<int64_t>(split) * a.O + o] = acc;
+  if (finished_last(counters + o, nsplit) && threadIdx.x == 0) dst[o] = finish(a, sum_partials(partials + o, nsplit, a.O));
 }
 
 // ---------------------------------------------------------------------------
@@ -196,15 +236,15 @@ constexpr int kRowsY = kCaptureBlock / 32;
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
-                                                                     int nsplit, float* __restrict__ dst) {
+                                                                     int nsplit, float* __restrict__ partials,
+                                                                     unsigned* __restrict__ counters,
+                                                                     float* __restrict__ dst) {
   __shared__ float smem[kRowsY][32 * V + 1];
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const int64_t o = (static_cast<int64_t>(blockIdx.x) * 32 + tx) * V;
   const int split = blockIdx.y;
-  const int64_t R = a.A * a.P;
-  const int64_t per = (R + nsplit - 1) / nsplit;
-  const int64_t r0 = split * per;
-  const int64_t r1 = r0 + per < R ? r0 + per : R;
+  const Range rr = split_range(a.A * a.P, nsplit, split);
+  const int64_t r0 = rr.lo, r1 = rr.hi;
   float acc[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
@@ -228,9 +268,17 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
       float s = 0.f;
 #pragma unroll
       for (int y = 0; y < kRowsY; ++y) s += smem[y][tx * V + j];
-      const float res = (nsplit == 1 && a.apply_post) ? s * a.post_mul : s;
-      dst[static_cast<int64_t>(split) * a.O + o + j] = res;
+      if (nsplit == 1) {
+        dst[o + j] = finish(a, s);
+      } else {
+        partials[static_cast<int64_t>(split) * a.O + o + j] = s;
+      }
     }
+  }
+  if (nsplit == 1) return;
+  if (finished_last(counters + blockIdx.x, nsplit) && ty == 0 && o < a.O) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) dst[o + j] = finish(a, sum_partials(partials + o + j, nsplit, a.O));
   }
 }
 
@@ -349,8 +397,6 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorMeta
 // ---------------------------------------------------------------------------
 // Dispatch helpers.
 // ---------------------------------------------------------------------------
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
 template <typename F>
 cudaError_t dispatch_dtype(at::ScalarType dtype, F&& f) {
   switch (dtype) {
@@ -366,6 +412,12 @@ cudaError_t dispatch_dtype(at::ScalarType dtype, F&& f) {
 }
 
 inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kCaptureBlock - 1) / kCaptureBlock); }
+
+// Blocks along x of the channels-innermost kernel: 32 threads of vec channels each.
+inline unsigned channel_rows_tiles(int64_t O, int vec) {
+  const int64_t tile = 32 * static_cast<int64_t>(vec);
+  return static_cast<unsigned>((O + tile - 1) / tile);
+}
 
 }  // namespace
 
@@ -385,72 +437,54 @@ int capture_sm_count() {
 }
 
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
-                                    float* ws_rows, float* map, float* ws_cols, float* out, cudaStream_t stream) {
+                                    float* maps, float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const int64_t M = a.C * a.H * a.W;
-  float* phase1 = nsplit > 1 ? ws_rows : map;
   cudaError_t err = dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* x = static_cast<const T*>(a.x);
-    const bool vec = M % kV == 0 && a.batch_stride % kV == 0 && aligned16(x);
+    const bool vec = M % kV == 0 && a.batch_stride % kV == 0 && is_aligned16(x);
     const dim3 grid(blocks_for(vec ? M / kV : M), nsplit);
     if (vec) {
-      batch_sumsq_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, phase1);
+      batch_sumsq_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, maps);
     } else {
-      batch_sumsq_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, phase1);
+      batch_sumsq_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, maps);
     }
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  if (nsplit > 1) {
-    sum_splits_kernel<<<blocks_for(M), kCaptureBlock, 0, stream>>>(ws_rows, nsplit, M, 0, 1.f, map);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
   const int K = static_cast<int>(a.C / a.groups) * a.kh * a.kw;
-  window_sums_kernel<<<dim3(K, col_chunks), kCaptureBlock, 0, stream>>>(map, a, col_chunks,
-                                                                        col_chunks > 1 ? ws_cols : out);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if (col_chunks > 1) {
-    sum_splits_kernel<<<blocks_for(K), kCaptureBlock, 0, stream>>>(ws_cols, col_chunks, K, 0, 1.f, out);
-    err = cudaGetLastError();
-  }
-  return err;
+  window_sums_kernel<<<dim3(K, col_chunks), kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols,
+                                                                        counters, out);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel, int nsplit,
-                                 float* ws, float* out, cudaStream_t stream) {
-  float* dst = nsplit > 1 ? ws : out;
-  cudaError_t err = dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
+                                 float* ws, unsigned* counters, float* out, cudaStream_t stream) {
+  return dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* t = static_cast<const T*>(a.t);
     if (rows_kernel) {
       // channels innermost: vectors along the channels
-      const bool vec = a.O % kV == 0 && a.sa % kV == 0 && (a.P == 1 || a.sp % kV == 0) && aligned16(t);
-      const int64_t tile = 32 * (vec ? kV : 1);
-      const dim3 grid(static_cast<unsigned>((a.O + tile - 1) / tile), nsplit);
+      const bool vec = a.O % kV == 0 && a.sa % kV == 0 && (a.P == 1 || a.sp % kV == 0) && is_aligned16(t);
+      const dim3 grid(channel_rows_tiles(a.O, vec ? kV : 1), nsplit);
       if (vec) {
-        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
       } else {
-        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
       }
     } else {
-      const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && aligned16(t);
+      const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
       const dim3 grid(static_cast<unsigned>(a.O), nsplit);
       if (vec) {
-        channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+        channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
       } else {
-        channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, dst);
+        channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
       }
     }
     return cudaGetLastError();
   });
-  if (err != cudaSuccess) return err;
-  if (nsplit > 1) {
-    sum_splits_kernel<<<blocks_for(a.O), kCaptureBlock, 0, stream>>>(ws, nsplit, a.O, a.apply_post, a.post_mul, out);
-    err = cudaGetLastError();
-  }
-  return err;
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,

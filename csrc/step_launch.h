@@ -26,6 +26,7 @@ struct StepItem {
 };
 
 struct StepScalars {
+  const float* lr_ptr;  // non-null: the learning rate is read here, on the device (lr, lr_f unused)
   double lr;
   double beta;
   float lr_f;

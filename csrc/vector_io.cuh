@@ -65,7 +65,7 @@ __device__ __forceinline__ void store_partial(T* __restrict__ dst, const float (
   }
 }
 
-__device__ __forceinline__ bool is_aligned16(const void* ptr) {
+__host__ __device__ __forceinline__ bool is_aligned16(const void* ptr) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
 }
 

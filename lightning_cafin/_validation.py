@@ -6,6 +6,8 @@ import difflib
 import math
 import numbers
 
+import torch
+
 #: Names users bring from other versions of the authors' code, with what to use instead.
 LEGACY_ARGUMENTS = {
     "gammas": "AdaFisher takes one `gamma` (default 0.8); the factors are averaged as "
@@ -47,9 +49,21 @@ def _number(name: str, value) -> float:
     return value
 
 
+def _lr(lr) -> float:
+    """A number, or a one-element floating tensor (read once here, then on the device)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point() or lr.requires_grad:
+            raise TypeError(
+                f"lr given as a tensor must be a one-element floating tensor without grad, got shape "
+                f"{tuple(lr.shape)} dtype {lr.dtype}; for a CUDA graph use torch.tensor(lr, device='cuda')"
+            )
+        return _number("lr", float(lr))
+    return _number("lr", lr)
+
+
 def check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay) -> None:
     """Validate one set of hyper-parameters (defaults or one param group)."""
-    if _number("lr", lr) < 0:
+    if _lr(lr) < 0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if not 0.0 <= _number("beta", beta) < 1.0:
         raise ValueError(f"beta must be in [0, 1), got {beta} (it is the momentum coefficient; the default is 0.9)")

@@ -25,8 +25,10 @@ from .backends.foreach import ForeachBackend
 from .backends.fused import unsupported_reason as fused_unsupported_reason
 from .capture.distributed import all_reduce_pending
 from .capture.factors import CaptureReport, update_factors
+from .capture import streams as capture_streams
 from .capture.hooks import LayerCapture, attach, detach
 from .capture.layers import ParamSlot, rule_for
+from .skips import DeferredSkips
 
 log = logging.getLogger("lightning_cafin")
 
@@ -71,7 +73,7 @@ class _AdaFisherBase(Optimizer):
     def __init__(
         self,
         params: Params,
-        lr: float = 1e-3,
+        lr: Union[float, Tensor] = 1e-3,
         beta: float = 0.9,
         gamma: float = 0.8,
         Lambda: float = 1e-3,
@@ -99,7 +101,8 @@ class _AdaFisherBase(Optimizer):
         self._param_names: dict[int, str] = {}
         self._model: Optional[nn.Module] = None
         self._saved_factors: dict[str, dict[str, Tensor]] = {}
-        self._global_step = 0
+        self._global_step = 0  # steps taken; provisional by the skip flags still in flight
+        self._skips = DeferredSkips()
         self._force_capture = False
         self._factors_version = 0
         self._summary: Optional[str] = None
@@ -146,6 +149,9 @@ class _AdaFisherBase(Optimizer):
                 )
         merged = {**self.defaults, **param_group}
         check_hyperparameters(*(merged[k] for k in ("lr", "beta", "gamma", "Lambda", "TCov", "weight_decay")))
+        if isinstance(merged["lr"], Tensor) and "lr" not in param_group:
+            # each group owns its lr tensor: a scheduler fills them one by one, in place
+            param_group["lr"] = merged["lr"].clone()
         super().add_param_group(param_group)
         self._replan()
         if self._model is not None:
@@ -237,7 +243,21 @@ class _AdaFisherBase(Optimizer):
 
     # ------------------------------------------------------------------ status
     def _is_capture_step(self) -> bool:
-        return self._force_capture or self._global_step % self.defaults["TCov"] == 0
+        if self._force_capture:
+            return True
+        T = self.defaults["TCov"]
+        self._count_skips(self._skips.poll())
+        unsure = self._skips.in_flight  # each of these steps may yet turn out skipped
+        if unsure and (self._global_step // T) * T >= self._global_step - unsure:
+            # the unread flags decide it: wait for them (about once per TCov steps)
+            self._count_skips(self._skips.settle())
+        return self._global_step % T == 0
+
+    def _count_skips(self, skipped: int) -> None:
+        """Steps the kernel skipped on the device (found_inf), learnt after the fact."""
+        if skipped:
+            self._global_step -= skipped
+            self._health["skipped_steps"] += skipped
 
     def _name(self, p: Tensor) -> str:
         if id(p) in self._param_names:
@@ -282,25 +302,47 @@ class _AdaFisherBase(Optimizer):
         grad_scale: Optional[Tensor] = getattr(self, "grad_scale", None)
         found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
         with torch.no_grad():
-            if found_inf is not None and found_inf.item() != 0:
-                self._discard_pending()
-                self._health["skipped_steps"] += 1
+            # found_inf is read on the host only where the host must know it: on capture
+            # steps (the factors must not learn from a skipped step), for a parameter the
+            # fused kernel does not take, or with an observer.  Otherwise the kernel
+            # honours it on the device and the host learns it later (DeferredSkips).
+            defer = found_inf is not None and found_inf.is_cuda and not self._observers
+            if found_inf is not None and not defer and self._skip_if_found_inf(found_inf):
                 return loss
             bound_now = self._first_step_notices()
-            if self._is_capture_step() and not bound_now:
+            capture = self._is_capture_step() and not bound_now
+            if defer and capture:
+                if self._skip_if_found_inf(found_inf):
+                    return loss
+                defer = False
+            if capture:
                 self._capture(grad_scale)
             else:
                 self._discard_pending()
+            work = [(group, backend, batch) for group in self.param_groups for backend, batch in self._collect(group)]
+            if defer and any(backend.name != "fused" for _, backend, _ in work):
+                if self._skip_if_found_inf(found_inf):
+                    return loss
+                defer = False
             for observer in self._observers:
                 observer.before_update(self)
-            for group in self.param_groups:
-                for backend, batch in self._collect(group):
-                    backend.step(batch, self.hyper(group), grad_scale, None)
+            for group, backend, batch in work:
+                backend.step(batch, self.hyper(group), grad_scale, found_inf if defer else None)
+            if defer:
+                self._skips.record(found_inf)
             self._global_step += 1
             self._force_capture = bound_now  # its hooks missed this step's forward: capture next step
             for observer in self._observers:
                 observer.after_update(self)
         return loss
+
+    def _skip_if_found_inf(self, found_inf: Tensor) -> bool:
+        """Read ``found_inf`` (waits for the GPU); when set, drop this step's statistics."""
+        if found_inf.item() == 0:
+            return False
+        self._discard_pending()
+        self._health["skipped_steps"] += 1
+        return True
 
     def _first_step_notices(self) -> bool:
         """The one-time summary and warnings; True when the optimizer bound itself just now."""
@@ -343,8 +385,10 @@ class _AdaFisherBase(Optimizer):
 
     def _capture(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())
+        capture_streams.join()  # the statistics were computed beside the backward pass
         all_reduce_pending(list(self._captures.values()), self.statistics_group)
         report = update_factors(list(self._captures.values()), self.defaults["gamma"], scale)
+        capture_streams.release()
         self._factors_version += 1
         self._settle_capture_report()
         self._health["capture_steps"] += 1
@@ -368,8 +412,11 @@ class _AdaFisherBase(Optimizer):
     def health(self) -> dict[str, Any]:
         """Counters: skipped steps, capture steps, modules whose hooks never fired, non-finite
         statistics, parameters on F = 1.  Reading them settles the last capture step's
-        device-side verdicts (at most one wait for the GPU)."""
+        device-side verdicts (at most one wait for the GPU).  Under a loss scaler,
+        ``skipped_steps`` counts the steps whose found_inf flag has reached the host; a
+        step or two still in flight on the GPU are counted when they arrive."""
         self._settle_capture_report()
+        self._count_skips(self._skips.poll())
         return self._health
 
     def _settle_capture_report(self) -> None:
@@ -468,6 +515,7 @@ class _AdaFisherBase(Optimizer):
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus the factors (keyed by module name) and the schedule."""
+        self._count_skips(self._skips.settle())  # the saved step count must be exact
         sd = super().state_dict()
         factors = {name: {"S": c.S.clone(), "H": c.H.clone()} for name, c in self._captures.items() if c.S is not None}
         for name, saved in self._saved_factors.items():
@@ -536,7 +584,9 @@ class AdaFisher(_AdaFisherBase):
         params: an ``nn.Module`` (the optimizer binds itself to it, as the authors'
             code does), or parameters / param-group dicts (then call :meth:`bind`, or use
             ``CAFINCallback`` under Lightning).
-        lr: learning rate.
+        lr: learning rate: a float, or a one-element float32 tensor on the parameters'
+            device, which the fused step reads on the device, so that a scheduler's
+            in-place update reaches a captured CUDA graph.
         beta: momentum coefficient.
         gamma: factor averaging coefficient (``0.1*gamma*old + 0.01*gamma*new``).
         Lambda: damping added to the Fisher diagonal.

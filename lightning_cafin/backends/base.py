@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -44,7 +44,7 @@ class FactorView:
 class StepHyper:
     """The hyper-parameters of one param group, as the update formula uses them."""
 
-    lr: float
+    lr: Union[float, Tensor]  # a tensor: read on the device by the fused step, else float(lr)
     beta: float
     Lambda: float
     weight_decay: float

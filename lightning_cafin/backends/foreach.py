@@ -60,7 +60,7 @@ class ForeachBackend(StepBackend):
         grads = [batch.grads[i] for i in idx]
         exp_avgs = [batch.exp_avgs[i] for i in idx]
         steps = [batch.steps[i] for i in idx]
-        beta, lr, wd = hyper.beta, hyper.lr, hyper.weight_decay
+        beta, lr, wd = hyper.beta, float(hyper.lr), hyper.weight_decay
 
         if scale is not None:
             grads = torch._foreach_div(grads, scale)

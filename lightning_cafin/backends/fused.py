@@ -4,7 +4,8 @@ Python only groups the tensors and calls the extension's ``adafisher_step_`` op;
 the kernel rebuilds ``F = S[row] * H[col] + Lambda`` in registers, applies momentum,
 weight decay and the parameter write in one pass, honours a loss scaler's
 ``grad_scale`` / ``found_inf`` on the device and increments the device-resident step
-counts.  The step allocates nothing and never synchronises with the host, so it can
+counts.  A param group's ``lr`` may be a one-element device tensor, read by the kernel,
+so a scheduler's in-place update reaches a captured CUDA graph.  The step allocates nothing and never synchronises with the host, so it can
 be captured in a CUDA graph.
 
 What depends only on the parameters, their state and the factor views (grouping,
@@ -190,7 +191,9 @@ class FusedBackend(StepBackend):
         groups = self._groups(batch)
         grads = batch.grads
         op = self._ext.adafisher_step_
-        lr, beta, Lambda, wd = float(hyper.lr), float(hyper.beta), float(hyper.Lambda), float(hyper.weight_decay)
+        lr_tensor = hyper.lr if isinstance(hyper.lr, Tensor) else None
+        lr = 0.0 if lr_tensor is not None else float(hyper.lr)  # a tensor lr is never read on the host
+        beta, Lambda, wd = float(hyper.beta), float(hyper.Lambda), float(hyper.weight_decay)
         for group in groups:
             gs = grad_scale
             fi = found_inf
@@ -204,8 +207,11 @@ class FusedBackend(StepBackend):
                 gs = gs.float()
             if fi is not None and fi.dtype != torch.float32:
                 fi = fi.float()
+            lr_t = lr_tensor
+            if lr_t is not None and (lr_t.device != group.device or lr_t.dtype != torch.float32):
+                lr_t = lr_t.to(group.device, torch.float32, non_blocking=True)  # keep it there for CUDA graphs
             try:
-                self._call(op, group, grads, lr, beta, Lambda, wd, bool(hyper.decoupled), gs, fi)
+                self._call(op, group, grads, lr, beta, Lambda, wd, bool(hyper.decoupled), gs, fi, lr_t)
             except RuntimeError as exc:
                 dtype = group.params[0].dtype
                 raise RuntimeError(
@@ -214,7 +220,7 @@ class FusedBackend(StepBackend):
                 ) from exc
 
     @staticmethod
-    def _call(op, group: _Group, grads, lr, beta, Lambda, wd, decoupled, gs, fi) -> None:
+    def _call(op, group: _Group, grads, lr, beta, Lambda, wd, decoupled, gs, fi, lr_t) -> None:
         op(
             group.params,
             [grads[i] for i in group.index],
@@ -231,4 +237,5 @@ class FusedBackend(StepBackend):
             decoupled,
             gs,
             fi,
+            lr_t,
         )

@@ -33,7 +33,7 @@ class ReferenceBackend(StepBackend):
     ) -> None:
         if _found_inf(found_inf):
             return
-        beta, lr, wd = hyper.beta, hyper.lr, hyper.weight_decay
+        beta, lr, wd = hyper.beta, float(hyper.lr), hyper.weight_decay
         for p, g, m, k, view in zip(batch.params, batch.grads, batch.exp_avgs, batch.steps, batch.views):
             if grad_scale is not None:
                 g = g / grad_scale.to(g.dtype)

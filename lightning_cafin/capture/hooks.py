@@ -6,6 +6,10 @@ backward hook this survives in-place operations that follow the module
 (``ReLU(inplace=True)``, ``out += identity``): a tensor hook registered before an
 in-place change receives the gradient of the value it was registered on.
 
+On capture steps the input's statistics are computed together with the gradient's,
+in the backward pass (the forward pass is launch-bound, the backward has host time to
+spare), on a side CUDA stream beside the backward's kernels (``streams.py``).
+
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
 looks its current owner up in a weak registry, so binding again, or binding a second
 optimizer, replaces the owner instead of stacking hooks.
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from . import streams
 from .layers import LayerRule
 
 
@@ -96,15 +101,34 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, Tensor):
         return
-    with torch.no_grad():
-        h, hn = capture.rule.input_partial(module, x.detach())
+    x = x.detach()
+    rule = capture.rule
+    if _input_saved_for_backward(module):
+        # The input's statistics are computed with the gradient's, in the backward pass,
+        # where the host has time to spare (the forward is launch-bound).  Holding x
+        # costs nothing: autograd holds it for the weight's gradient, which is also why
+        # it cannot have been changed in place by then.
+        def on_output_grad(grad: Tensor) -> None:
+            with torch.no_grad(), streams.beside(x, grad):
+                h, hn = rule.input_partial(module, x)
+                s, sn = rule.output_partial(module, grad)
+                capture.commit(h, hn, s, sn)
+    else:  # frozen weight: x may be modified in place before the backward; read it now
+        with torch.no_grad(), streams.beside(x):
+            h, hn = rule.input_partial(module, x)
 
-    def on_output_grad(grad: Tensor) -> None:
-        with torch.no_grad():
-            s, sn = capture.rule.output_partial(module, grad)
-        capture.commit(h, hn, s, sn)
+        def on_output_grad(grad: Tensor) -> None:
+            with torch.no_grad(), streams.beside(grad):
+                s, sn = rule.output_partial(module, grad)
+                capture.commit(h, hn, s, sn)
 
     output.register_hook(on_output_grad)
+
+
+def _input_saved_for_backward(module: nn.Module) -> bool:
+    """Whether autograd keeps the module's input until its backward (the weight needs it)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, Tensor) and weight.requires_grad
 
 
 def attach(capture: LayerCapture) -> Optional[LayerCapture]:
