@@ -4,9 +4,10 @@ Python only groups the tensors and calls the extension's ``adafisher_step_`` op;
 the kernel rebuilds ``F = S[row] * H[col] + Lambda`` in registers, applies momentum,
 weight decay and the parameter write in one pass, honours a loss scaler's
 ``grad_scale`` / ``found_inf`` on the device and increments the device-resident step
-counts.  A param group's ``lr`` may be a one-element device tensor, read by the kernel,
-so a scheduler's in-place update reaches a captured CUDA graph.  The step allocates nothing and never synchronises with the host, so it can
-be captured in a CUDA graph.
+counts.  A param group's ``lr`` may be a one-element device tensor, read by the
+kernel, so a scheduler's in-place update reaches a captured CUDA graph.  The step
+allocates nothing and never synchronises with the host, so it can be captured in a
+CUDA graph.
 
 What depends only on the parameters, their state and the factor views (grouping,
 factor lists, validation) is cached, keyed on ``batch.factors_version`` and the
@@ -209,7 +210,9 @@ class FusedBackend(StepBackend):
                 fi = fi.float()
             lr_t = lr_tensor
             if lr_t is not None and (lr_t.device != group.device or lr_t.dtype != torch.float32):
-                lr_t = lr_t.to(group.device, torch.float32, non_blocking=True)  # keep it there for CUDA graphs
+                # a small copy every step (and none allowed in a CUDA graph from the CPU):
+                # keep a tensor lr in fp32 on the parameters' device to avoid it
+                lr_t = lr_t.to(group.device, torch.float32, non_blocking=True)
             try:
                 self._call(op, group, grads, lr, beta, Lambda, wd, bool(hyper.decoupled), gs, fi, lr_t)
             except RuntimeError as exc:

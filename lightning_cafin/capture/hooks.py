@@ -113,12 +113,15 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
-    else:  # frozen weight: x may be modified in place before the backward; read it now
-        with torch.no_grad(), streams.beside(x):
+    else:
+        # Frozen weight: x may be modified in place before the backward, so read it now,
+        # on the current stream (on the side stream, a later in-place write on the
+        # current stream would race with the read).
+        with torch.no_grad():
             h, hn = rule.input_partial(module, x)
 
         def on_output_grad(grad: Tensor) -> None:
-            with torch.no_grad(), streams.beside(grad):
+            with torch.no_grad(), streams.beside(grad, h):
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
 

@@ -342,6 +342,59 @@ def test_found_inf_zero_equals_no_found_inf(ext):
         assert torch.equal(x, y)
 
 
+# ------------------------------------------------------------- lr as a tensor
+
+
+@pytest.mark.parametrize("decoupled, wd", ALGOS)
+def test_lr_tensor_equals_float_lr(ext, decoupled, wd):
+    lr = 2.0**-10  # exact in fp32, so the two paths must agree bit for bit
+    a = make_problem(layer_zoo() + big_zoo())
+    b = a.copy()
+    h_float = StepHyper(lr=lr, beta=BETA, Lambda=LAMBDA, weight_decay=wd, decoupled=decoupled)
+    h_tensor = StepHyper(
+        lr=torch.full((), lr, device=DEV), beta=BETA, Lambda=LAMBDA, weight_decay=wd, decoupled=decoupled
+    )
+    for _ in range(3):
+        grads = new_grads(a)
+        a.grads[:] = grads
+        b.grads[:] = [g.clone() for g in grads]
+        fused().step(a.batch(), h_float)
+        fused().step(b.batch(), h_tensor)
+    for i, (x, y) in enumerate(zip(a.tensors(), b.tensors())):
+        assert torch.equal(x, y), f"tensor {i}"
+
+
+def test_graph_replay_reads_lr_tensor_after_fill(ext):
+    """A scheduler's in-place ``fill_`` of a tensor lr reaches a captured step."""
+    eager = make_problem(layer_zoo())
+    graphed = eager.copy()
+    lr_t = torch.full((), 2.0**-8, device=DEV)
+    backend = fused()
+    h_graph = StepHyper(lr=lr_t, beta=BETA, Lambda=LAMBDA, weight_decay=0.1, decoupled=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.step(graphed.batch(), h_graph)  # warm-up, mirrored on the eager copy
+    torch.cuda.current_stream().wait_stream(side)
+    fused().step(eager.batch(), StepHyper(2.0**-8, BETA, LAMBDA, 0.1, True))
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.step(graphed.batch(), h_graph)
+    for r, lr in enumerate((2.0**-9, 2.0**-12, 0.0, 2.0**-7)):
+        lr_t.fill_(lr)
+        grads = new_grads(eager)
+        for static, g in zip(graphed.grads, grads):
+            static.copy_(g)
+        eager.grads[:] = grads
+        graph.replay()
+        fused().step(eager.batch(), StepHyper(lr, BETA, LAMBDA, 0.1, True))
+        torch.cuda.synchronize()
+        for x, y in zip(graphed.tensors(), eager.tensors()):
+            assert torch.equal(x, y), f"replay {r} with lr {lr}"
+
+
 # ------------------------------------------------------- graphs, allocations
 
 

@@ -1,0 +1,79 @@
+"""The capture hooks: where each layer's input statistics are read, and the side stream.
+
+With a trainable weight the input's statistics are computed in the backward pass (autograd
+keeps the input unchanged until then); with a frozen weight nothing keeps it, so they are
+read in the forward, before a later in-place operation can change the input.  On a GPU
+the statistics run on a side stream, which must not change a single bit of the factors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cafin.capture import streams
+from lightning_cafin.capture.hooks import LayerCapture, attach, detach
+from lightning_cafin.capture.layers import rule_for
+
+
+@pytest.mark.parametrize("weight_trainable", [False, True])
+def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
+    torch.manual_seed(0)
+    # Linear: autograd saves its input only for the weight's gradient (a convolution
+    # saves it whatever requires grad, so it could not be modified in place at all)
+    layer = nn.Linear(7, 5)
+    layer.weight.requires_grad_(weight_trainable)
+    rule = rule_for(layer)
+    cap = LayerCapture("fc", layer, rule, lambda: True)
+    attach(cap)
+    try:
+        x = torch.randn(4, 7)
+        want_h, want_hn = rule.input_partial(layer, x.clone())
+        y = layer(x)
+        if not weight_trainable:
+            x.mul_(3.0)  # legal: nothing saved x; the statistics must predate this
+        grad = torch.randn_like(y)
+        y.backward(grad)
+        want_s, want_sn = rule.output_partial(layer, grad)
+    finally:
+        detach(cap)
+    pending = cap.take_pending()
+    assert pending.calls == 1
+    torch.testing.assert_close(pending.h, want_h, rtol=1e-6, atol=0)
+    torch.testing.assert_close(pending.s, want_s, rtol=1e-6, atol=0)
+    assert (pending.hn, pending.sn) == (want_hn, want_sn)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA device")
+def test_side_stream_factors_equal_current_stream_factors():
+    from lightning_cafin import AdaFisher
+    from lightning_cafin.models.resnet import cifar_resnet18
+
+    out = []
+    for side in (True, False):
+        previous = streams.set_enabled(side)
+        try:
+            torch.manual_seed(0)
+            model = cifar_resnet18().cuda().to(memory_format=torch.channels_last)
+            opt = AdaFisher(model, TCov=2, backend="auto")
+            gen = torch.Generator().manual_seed(3)
+            for _ in range(3):  # two capture steps (0 and 2), one plain step between
+                x = torch.randn(32, 3, 32, 32, generator=gen).cuda().to(memory_format=torch.channels_last)
+                y = torch.randint(0, 10, (32,), generator=gen).cuda()
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            torch.cuda.synchronize()
+            out.append((model, opt))
+        finally:
+            streams.set_enabled(previous)
+    (m_side, o_side), (m_cur, o_cur) = out
+    assert o_side._captures.keys() == o_cur._captures.keys() and o_cur._captures
+    for name, cap in o_cur._captures.items():
+        assert torch.equal(o_side._captures[name].H, cap.H), name
+        assert torch.equal(o_side._captures[name].S, cap.S), name
+    for a, b in zip(m_side.parameters(), m_cur.parameters()):
+        assert torch.equal(a, b)
