@@ -145,7 +145,7 @@ def test_deferred_found_inf_equals_host_read_found_inf(fused_ok):
     for name, cap in opt_h._captures.items():
         assert torch.equal(opt_d._captures[name].S, cap.S), name
         assert torch.equal(opt_d._captures[name].H, cap.H), name
-    assert opt_d.health()["skipped_steps"] == opt_h.health()["skipped_steps"] == len(SKIPPED_AT)
+    assert opt_d.health["skipped_steps"] == opt_h.health["skipped_steps"] == len(SKIPPED_AT)
     assert opt_d._global_step == opt_h._global_step == 12 - len(SKIPPED_AT)
     for p in model_d.parameters():
         assert opt_d.state[p]["step"].item() == 12 - len(SKIPPED_AT)
