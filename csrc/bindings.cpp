@@ -4,6 +4,7 @@
 #include "adafisher_step.h"
 #include "capture_launch.h"
 #include "capture_ops.h"
+#include "side_stream.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning_cafin fused CUDA kernels (AdaFisher / AdaFisherW step, factor capture)";
@@ -31,7 +32,8 @@ No allocation, no host synchronisation: CUDA-graph capturable.)doc",
         py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
 
   m.def("conv_input_stats", &lightning_cafin::conv_input_stats,
-        R"doc(Conv2d input statistics without patches, on the current CUDA stream.
+        R"doc(Conv2d input statistics without patches, on the current CUDA stream (or, with
+side=True, on the device's capture side stream: join before reading the result).
 
 x: 4-D (B, C, H, W) CUDA tensor, float32 / float16 / bfloat16, any strides (dense
 NCHW and channels_last are read in place, others copied once).  Returns float32
@@ -39,12 +41,17 @@ NCHW and channels_last are read in place, others copied once).  Returns float32
 groups and every output position of the squared zero-padded input under that tap.
 padding = (top, left); the bottom/right padding is implied by out_hw = (Ho, Wo).)doc",
         py::arg("x"), py::arg("kernel"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
-        py::arg("groups"), py::arg("out_hw"));
+        py::arg("groups"), py::arg("out_hw"), py::arg("side") = false);
   m.def("channel_stats", &lightning_cafin::channel_stats,
         R"doc(Per-channel sum (square=False) or sum of squares (square=True) of t over every
 dim but ``dim``, accumulated in float32, times float(1/divisor) when divisor > 0.
-t: CUDA tensor, float32 / float16 / bfloat16, any strides.  Returns float32 [t.size(dim)].)doc",
-        py::arg("t"), py::arg("dim"), py::arg("square"), py::arg("divisor") = 0.0);
+t: CUDA tensor, float32 / float16 / bfloat16, any strides.  Returns float32 [t.size(dim)].
+side=True: on the device's capture side stream, as conv_input_stats.)doc",
+        py::arg("t"), py::arg("dim"), py::arg("square"), py::arg("divisor") = 0.0, py::arg("side") = false);
+  m.def("capture_join", &lightning_cafin::capture_join,
+        "The current stream of every device with side-stream statistics waits for them.");
+  m.def("capture_release", &lightning_cafin::capture_release,
+        "After the statistics were consumed: the side streams wait for the current streams.");
   m.def("factor_update_", &lightning_cafin::factor_update_,
         R"doc(The capture step's factor update for every layer in one launch (per 56 layers).
 

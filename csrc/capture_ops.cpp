@@ -4,6 +4,7 @@
 // num() (std::to_string), never through an ostream (see adafisher_step_op.cpp).
 #include "capture_launch.h"
 #include "capture_ops.h"
+#include "side_stream.h"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -101,7 +102,7 @@ unsigned* counter_slots(const at::Tensor& like, int64_t n) {
 
 at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-                            std::vector<int64_t> out_hw) {
+                            std::vector<int64_t> out_hw, bool side) {
   check_input(x_in, kConv, "x");
   TORCH_CHECK(x_in.dim() == 4, kConv, "x must be 4-D (B, C, H, W), got ", num(static_cast<int64_t>(x_in.dim())),
               " dims");
@@ -120,6 +121,8 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   TORCH_CHECK(K >= 1 && K <= lim, kConv, "C/groups * kh * kw = ", num(K), " is out of range");
 
   const c10::cuda::CUDAGuard guard(x_in.device());
+  const SideScope scope(x_in, side);  // from here on, the current stream is the side stream
+  scope.reads(x_in);
   at::Tensor out = new_f32(K, x_in);
   if (B == 0 || C == 0 || H == 0 || W == 0 || out_hw[0] == 0 || out_hw[1] == 0) return out.zero_();
 
@@ -191,7 +194,7 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   return out;
 }
 
-at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor) {
+at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor, bool side) {
   check_input(t_in, kChan, "t");
   const int64_t nd = t_in.dim();
   TORCH_CHECK(nd >= 1, kChan, "t must have at least one dimension");
@@ -199,6 +202,8 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   if (dim < 0) dim += nd;
   const int64_t O = t_in.size(dim);
   const c10::cuda::CUDAGuard guard(t_in.device());
+  const SideScope scope(t_in, side);  // see conv_input_stats
+  scope.reads(t_in);
   at::Tensor out = new_f32(O, t_in);
   if (O == 0) return out;
   if (t_in.numel() == 0) return out.zero_();

@@ -13,11 +13,13 @@ namespace lightning_cafin {
 // padding is (top, left); the bottom/right padding is implied by out_hw.
 at::Tensor conv_input_stats(const at::Tensor& x, std::vector<int64_t> kernel, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-                            std::vector<int64_t> out_hw);
+                            std::vector<int64_t> out_hw, bool side = false);
 
 // fp32 [t.size(dim)]: sum over every other dim of t (of t^2 when square), multiplied by
 // float(1 / divisor) when divisor > 0 (as torch's division by a Python scalar does).
-at::Tensor channel_stats(const at::Tensor& t, int64_t dim, bool square, double divisor);
+// side: run on the device's capture side stream (side_stream.h); the result is then
+// ready on the current stream only after capture_join().
+at::Tensor channel_stats(const at::Tensor& t, int64_t dim, bool square, double divisor, bool side = false);
 
 // The capture step's factor update for every layer at once (one launch per 56 layers).
 // Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).

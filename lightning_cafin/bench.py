@@ -36,6 +36,7 @@ from torch import nn
 
 from . import AdaFisher, AdaFisherW
 from .backends import fused_unavailable_reason
+from .capture import streams as capture_streams
 from .models import ResNet18, TransformerClassifier
 from .monitor.memory import TemporaryMemory
 from .optimizer import _AdaFisherBase
@@ -179,7 +180,9 @@ def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn,
                     opt._force_capture = True
                     fwd_bwd()
                     opt._force_capture = False
+                    capture_streams.join()  # as the step does: wait for the side-stream statistics
                     opt._discard_pending()
+                    capture_streams.release()
 
                 res.capture_ms = median_ms(capturing_fwd_bwd, device, reps) - plain
         results.append(res)

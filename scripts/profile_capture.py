@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_cafin import AdaFisher  # noqa: E402
 from lightning_cafin.bench import median_ms as bench_median_ms  # noqa: E402
 from lightning_cafin.capture import factors as factors_mod  # noqa: E402
+from lightning_cafin.capture import streams as capture_streams  # noqa: E402
 from lightning_cafin.models import ResNet18  # noqa: E402
 
 
@@ -102,7 +103,9 @@ def main():
         opt._force_capture = True
         fwd_bwd()
         opt._force_capture = False
+        capture_streams.join()  # as the step does: wait for the side-stream statistics
         opt._discard_pending()
+        capture_streams.release()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,6 +154,10 @@ def main():
         del r.input_partial, r.output_partial
     host_plain = host_ms(fwd_bwd, args.reps)
     host_capt = host_ms(capturing, args.reps)
+    was = capture_streams.set_enabled(False)
+    capt_cur = median_ms(capturing, args.reps)
+    host_capt_cur = host_ms(capturing, args.reps)
+    capture_streams.set_enabled(was)
 
     def one_capture_update():
         opt._force_capture = True
@@ -164,6 +171,7 @@ def main():
     say(f"batch {args.batch}, channels_last {args.channels_last}, autocast {args.dtype}, {len(caps)} captured layers")
     say(f"plain fwd+bwd            {plain:8.3f} ms  (host enqueue {host_plain:.3f} ms)")
     say(f"capture fwd+bwd          {capt:8.3f} ms  (+{capt - plain:.3f})  host enqueue {host_capt:.3f} ms")
+    say(f"capture, no side stream  {capt_cur:8.3f} ms  (+{capt_cur - plain:.3f})  host enqueue {host_capt_cur:.3f} ms")
     say(f"hooks only (no rules)    {hooks_only:8.3f} ms  (+{hooks_only - plain:.3f})  host enqueue {host_hooks:.3f} ms")
     say(f"capture + update_factors {with_factors:8.3f} ms  (+{with_factors - capt:.3f} over capture)")
     say()

@@ -140,7 +140,7 @@ def test_missing_data_ends_with_where_it_looked(workdir, capsys):
     "override, message",
     [
         ("--optimizer.init_args.Lamda=0.1", "Option 'Lamda' is not accepted"),
-        ("--optimizer.init_args.lr=fast", "Expected a <class 'float'>. Got value: fast"),
+        ("--optimizer.init_args.lr=fast", "Expected a <class 'float'>"),  # lr: float or a tensor
         ("--trainer.max_stepz=3", "max_stepz"),
     ],
 )

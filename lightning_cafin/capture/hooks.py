@@ -8,7 +8,8 @@ in-place change receives the gradient of the value it was registered on.
 
 On capture steps the input's statistics are computed together with the gradient's,
 in the backward pass (the forward pass is launch-bound, the backward has host time to
-spare), on a side CUDA stream beside the backward's kernels (``streams.py``).
+spare), on a side CUDA stream beside the backward's kernels (``streams.py``).  With a
+frozen weight autograd need not keep the input, so its statistics are read in the forward.
 
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
 looks its current owner up in a weak registry, so binding again, or binding a second
@@ -29,22 +30,55 @@ from . import streams
 from .layers import LayerRule
 
 
-@dataclass
 class PendingStats:
-    """Partial sums gathered since the last optimizer step (all micro-batches together)."""
+    """Partial sums gathered since the last optimizer step (all micro-batches together).
 
-    h: Optional[Tensor] = None
-    hn: float = 0.0
-    s: Optional[Tensor] = None
-    sn: float = 0.0
-    calls: int = 0
+    The partials of a second and later micro-batch are kept apart and added when ``h`` /
+    ``s`` are first read, at the optimizer step after ``streams.join()``: the partials
+    may come from the capture side stream, and adding them on the current stream any
+    earlier would race with it.
+    """
+
+    __slots__ = ("_h", "_s", "_more", "hn", "sn", "calls")
+
+    def __init__(self, h: Optional[Tensor] = None, hn: float = 0.0, s: Optional[Tensor] = None, sn: float = 0.0,
+                 calls: int = 0) -> None:
+        self._h, self._s, self.hn, self.sn, self.calls = h, s, hn, sn, calls
+        self._more: list[tuple[Tensor, Tensor]] = []
+
+    def _fold(self) -> None:
+        for h, s in self._more:
+            self._h, self._s = self._h + h, self._s + s
+        self._more.clear()
+
+    @property
+    def h(self) -> Optional[Tensor]:
+        self._fold()
+        return self._h
+
+    @h.setter
+    def h(self, value: Optional[Tensor]) -> None:
+        self._fold()
+        self._h = value
+
+    @property
+    def s(self) -> Optional[Tensor]:
+        self._fold()
+        return self._s
+
+    @s.setter
+    def s(self, value: Optional[Tensor]) -> None:
+        self._fold()
+        self._s = value
 
     def add(self, h: Tensor, hn: float, s: Tensor, sn: float) -> bool:
         """Add one forward/backward pair; refuse one whose shape differs from the others."""
-        if self.h is not None and (self.h.shape != h.shape or self.s.shape != s.shape):
+        if self._h is not None and (self._h.shape != h.shape or self._s.shape != s.shape):
             return False
-        self.h = h if self.h is None else self.h + h
-        self.s = s if self.s is None else self.s + s
+        if self._h is None:
+            self._h, self._s = h, s
+        else:
+            self._more.append((h, s))
         self.hn += hn
         self.sn += sn
         self.calls += 1
@@ -109,7 +143,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         # costs nothing: autograd holds it for the weight's gradient, which is also why
         # it cannot have been changed in place by then.
         def on_output_grad(grad: Tensor) -> None:
-            with torch.no_grad(), streams.beside(x, grad):
+            with torch.no_grad():
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
@@ -117,11 +151,11 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         # Frozen weight: x may be modified in place before the backward, so read it now,
         # on the current stream (on the side stream, a later in-place write on the
         # current stream would race with the read).
-        with torch.no_grad():
+        with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
 
         def on_output_grad(grad: Tensor) -> None:
-            with torch.no_grad(), streams.beside(grad, h):
+            with torch.no_grad():
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .._conv import conv_output_hw, conv_padding, pad_like_conv
 from . import kernels as _kernels
+from . import streams as _streams
 
 
 def stat_dtype(x: Tensor) -> torch.dtype:
@@ -41,7 +42,7 @@ def channel_sums(t: Tensor, dim: int, square: bool, divisor: float = 0.0) -> Opt
     ext = _kernels.ext_for(t)
     if ext is None or t.dim() == 0:
         return None
-    return ext.channel_stats(t, dim, square, float(divisor))
+    return ext.channel_stats(t, dim, square, float(divisor), _streams.side())
 
 
 def sum_of_squares(x: Tensor, dims) -> Tensor:
@@ -158,7 +159,7 @@ class Conv2dRule(LayerRule):
         ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
         if ext is not None:  # one pass over x, then the taps of the small batch-reduced map
             left, _, top, _ = conv_padding(module)
-            h = ext.conv_input_stats(x, [kh, kw], [sh, sw], [top, left], [dh, dw], g, [Ho, Wo])
+            h = ext.conv_input_stats(x, [kh, kw], [sh, sw], [top, left], [dh, dw], g, [Ho, Wo], _streams.side())
             return h, count
         if module.padding_mode == "zeros":
             # zeros square to zeros: reduce the batch first, then pad the small map

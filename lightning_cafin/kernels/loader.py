@@ -48,8 +48,11 @@ def _find_csrc() -> Path:
 
 
 _CSRC_DIR = _find_csrc()
-_SOURCES = ("bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu", "capture_ops.cpp", "capture_stats.cu")
-_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h", "vector_io.cuh")
+_SOURCES = (
+    "bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu", "capture_ops.cpp", "capture_stats.cu",
+    "side_stream.cpp",
+)
+_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h", "vector_io.cuh", "side_stream.h")
 
 # Plain -O3: never --use_fast_math (it replaces IEEE division, and the fused step
 # must round like the unfused reference).

@@ -57,14 +57,15 @@ def test_side_stream_factors_equal_current_stream_factors():
         previous = streams.set_enabled(side)
         try:
             torch.manual_seed(0)
-            model = cifar_resnet18().cuda().to(memory_format=torch.channels_last)
-            opt = AdaFisher(model, TCov=2, backend="auto")
+            model = cifar_resnet18().cuda()
+            opt = AdaFisher(model, TCov=2, backend="fused")
             gen = torch.Generator().manual_seed(3)
             for _ in range(3):  # two capture steps (0 and 2), one plain step between
-                x = torch.randn(32, 3, 32, 32, generator=gen).cuda().to(memory_format=torch.channels_last)
-                y = torch.randint(0, 10, (32,), generator=gen).cuda()
                 opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
+                for _micro in range(2):  # gradient accumulation: partials added after the join
+                    x = torch.randn(16, 3, 32, 32, generator=gen).cuda()
+                    y = torch.randint(0, 10, (16,), generator=gen).cuda()
+                    F.cross_entropy(model(x), y).backward()
                 opt.step()
             torch.cuda.synchronize()
             out.append((model, opt))

@@ -1,0 +1,101 @@
+// See side_stream.h.  One side stream and one ordering event per device, created on first
+// use and kept for the process (an event may be recorded again as soon as a wait on it
+// has been enqueued: the wait captures the record that preceded it).
+#include "side_stream.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <map>
+#include <mutex>
+
+namespace lightning_cafin {
+namespace {
+
+struct DeviceSide {
+  c10::cuda::CUDAStream stream;
+  cudaEvent_t event = nullptr;
+  bool pending = false;  // side work not yet joined into the current stream
+};
+
+std::mutex& side_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// never destroyed: streams and events must outlive every exit-time tensor free
+std::map<int, DeviceSide>& sides() {
+  static auto* m = new std::map<int, DeviceSide>();
+  return *m;
+}
+
+DeviceSide& side_for(int device) {
+  auto& m = sides();
+  auto it = m.find(device);
+  if (it == m.end()) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    DeviceSide d{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, static_cast<c10::DeviceIndex>(device))};
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&d.event, cudaEventDisableTiming));
+    it = m.emplace(device, d).first;
+  }
+  return it->second;
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
+}
+
+// `waiter` waits for what `done` has enqueued so far.
+void order(cudaEvent_t ev, cudaStream_t done, cudaStream_t waiter) {
+  C10_CUDA_CHECK(cudaEventRecord(ev, done));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
+}
+
+}  // namespace
+
+SideScope::SideScope(const at::Tensor& like, bool want) {
+  if (!want || !like.is_cuda()) return;
+  const int device = like.device().index();
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  if (capturing(cur.stream())) return;
+  std::lock_guard<std::mutex> lock(side_mutex());
+  DeviceSide& d = side_for(device);
+  order(d.event, cur.stream(), d.stream.stream());
+  d.pending = true;
+  guard_.emplace(d.stream);
+}
+
+void SideScope::reads(const at::Tensor& t) const {
+  if (!guard_.has_value() || !t.defined() || !t.is_cuda() || !t.storage().data_ptr().get()) return;
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), guard_->current_stream());
+}
+
+void capture_join() {
+  std::lock_guard<std::mutex> lock(side_mutex());
+  for (auto& [device, d] : sides()) {
+    if (!d.pending) continue;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    if (capturing(cur)) {
+      // a graph cannot wait on work outside it: finish the side work first
+      C10_CUDA_CHECK(cudaStreamSynchronize(d.stream.stream()));
+    } else {
+      order(d.event, d.stream.stream(), cur);
+    }
+  }
+}
+
+void capture_release() {
+  std::lock_guard<std::mutex> lock(side_mutex());
+  for (auto& [device, d] : sides()) {
+    if (!d.pending) continue;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    if (!capturing(cur)) order(d.event, cur, d.stream.stream());
+    d.pending = false;
+  }
+}
+
+}  // namespace lightning_cafin
