@@ -69,10 +69,13 @@ struct IncMeta {
   int n;
 };
 
-// The classic CUDA limit on kernel parameters is 4096 bytes; stay below it so that
-// the launcher works on every toolkit and architecture.
-static_assert(sizeof(StepMeta) + sizeof(StepScalars) + 2 * sizeof(void*) <= 4000,
-              "step kernel arguments exceed the 4 KiB kernel-parameter budget");
+// Since CUDA 12.1 a kernel may take 32764 bytes of parameters on Volta and later (the
+// classic limit was 4096); the torch builds this extension targets are CUDA 12.6+.
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#error "the fused step passes up to 32 KiB of kernel parameters: it needs CUDA 12.1 or newer"
+#endif
+static_assert(sizeof(StepMeta) + sizeof(StepScalars) + 2 * sizeof(void*) <= 32000,
+              "step kernel arguments exceed the 32 KiB kernel-parameter budget");
 static_assert(sizeof(IncMeta) + sizeof(void*) <= 4000,
               "counter kernel arguments exceed the 4 KiB kernel-parameter budget");
 static_assert(kStepMaxTensors <= 256, "block_tensor is uint8_t");

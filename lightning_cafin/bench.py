@@ -202,7 +202,7 @@ def copy_bandwidth(device: torch.device, numel: int, reps: int) -> float:
 
 def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
     """Many large Linear weights with random factors: the step as a pure streaming kernel."""
-    n = max(1, total // (width * width))
+    n = max(1, -(-total // (width * width)))  # whole layers, at least `total` elements
     copy_gbps = copy_bandwidth(device, min(total, 1 << 28), reps)
     results = []
     for v in variants(AdaFisher, device, lr, wd):
@@ -322,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             total = 1 << 20
         elif device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
-            total = int(min(1e9, free / 40))  # p, g, states, caches, a reference F: < 40 B/element
+            total = int(min(1e9, free / 44))  # p, g, states, caches, a reference F: < 40 B/element, rounded up to whole layers
         else:
             total = 1 << 24
         width = 1024 if quick else 8192

@@ -18,6 +18,7 @@ optimizer, replaces the owner instead of stacking hooks.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -125,6 +126,15 @@ class _Slot:
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
 
 
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+def _no_grad_in_backward():
+    """no_grad only where the backward builds a graph (create_graph=True): a backward hook
+    normally runs with grad mode off already, and the context costs host time per layer."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
+
+
 def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     slot = _SLOTS.get(module)
     capture = slot.owner() if slot is not None else None
@@ -143,7 +153,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         # costs nothing: autograd holds it for the weight's gradient, which is also why
         # it cannot have been changed in place by then.
         def on_output_grad(grad: Tensor) -> None:
-            with torch.no_grad():
+            with _no_grad_in_backward():
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
@@ -155,7 +165,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             h, hn = rule.input_partial(module, x)
 
         def on_output_grad(grad: Tensor) -> None:
-            with torch.no_grad():
+            with _no_grad_in_backward():
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
 

@@ -254,8 +254,12 @@ def test_many_tensors_exceed_launch_capacity(ext, oracle):
         else:
             items.append(((rows, cols), FactorView(factors(rows), factors(cols + 3), 2, cols)))
     items += big_zoo()
+    # one tensor with more 64K-element chunks than a launch holds blocks: it spans launches
+    rows, cols = ext.MAX_BLOCKS_PER_LAUNCH + 1, 65536 + 5
+    items.append(((rows, cols), FactorView(factors(rows), factors(cols), 0, cols)))
+    chunks = sum(-(-math.prod(shape) // 65536) for shape, _ in items)
     assert len(items) > ext.MAX_TENSORS_PER_LAUNCH
-    assert len(items) > ext.MAX_BLOCKS_PER_LAUNCH
+    assert chunks > ext.MAX_BLOCKS_PER_LAUNCH
     assert len(items) > ext.MAX_STEPS_PER_INCREMENT_LAUNCH
     prob = make_problem(items)
     ref = prob.copy()
