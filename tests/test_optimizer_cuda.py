@@ -148,6 +148,7 @@ def test_deferred_found_inf_equals_host_read_found_inf(fused_ok):
     assert opt_d.health["skipped_steps"] == opt_h.health["skipped_steps"] == len(SKIPPED_AT)
     assert opt_d._global_step == opt_h._global_step == 12 - len(SKIPPED_AT)
     for p in model_d.parameters():
-        assert opt_d.state[p]["step"].item() == 12 - len(SKIPPED_AT)
+        if p.requires_grad:  # the frozen layer has no state
+            assert opt_d.state[p]["step"].item() == 12 - len(SKIPPED_AT)
     # applied steps 0, 3 (iterations 4, 5 skipped on it, 6 applies it), 6: iterations 0, 4, 5, 6, 10
     assert set(synced_dev) <= {0, 4, 5, 6, 10}, f"host waited for the GPU at iterations {synced_dev}"
