@@ -6,7 +6,8 @@ Linear, AdaFisherW) and a large flat set of Linear weights sized to the device (
 GPU (the wall clock on the CPU):
 
 * ``step_ms``: the median ``optimizer.step()`` on a non-capture step;
-* ``capture_ms``: the extra forward+backward time of a capture step (AdaFisher only);
+* ``capture_ms``: the extra forward+backward time of a capture step (AdaFisher only; the
+  median of interleaved plain/capture pairs, waiting for the side-stream statistics);
 * ``train_step_ms``: forward + backward + step;
 * ``temp_mb``: temporary memory of one step (allocator peak above the start);
 * ``state_mb``: optimizer state (momentum, factors, caches; Adam's two moments);
@@ -69,23 +70,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
+    """One call of fn, from an idle device to its completion."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_time_ms(fn, device) for _ in range(reps))
+
+
+def extra_ms(base: Callable[[], None], more: Callable[[], None], device: torch.device, reps: int,
+             warmup: int = 2) -> float:
+    """Median over interleaved pairs of (time of more - time of base).  Two medians taken
+    one after the other drift apart with clocks and allocator state by more than a
+    millisecond on a 14 ms step; pairs measured back to back do not."""
+    for _ in range(warmup):
+        base()
+        more()
+    return statistics.median(_time_ms(more, device) - _time_ms(base, device) for _ in range(reps))
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -174,7 +187,6 @@ def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn,
             if not v.graph:
                 res.train_step_ms = median_ms(train_step, device, reps)
             if isinstance(opt, _AdaFisherBase) and not v.graph:
-                plain = median_ms(fwd_bwd, device, reps)
 
                 def capturing_fwd_bwd():
                     opt._force_capture = True
@@ -184,7 +196,7 @@ def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn,
                     opt._discard_pending()
                     capture_streams.release()
 
-                res.capture_ms = median_ms(capturing_fwd_bwd, device, reps) - plain
+                res.capture_ms = extra_ms(fwd_bwd, capturing_fwd_bwd, device, 2 * reps)
         results.append(res)
         del model, opt
         if device.type == "cuda":
