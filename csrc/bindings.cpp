@@ -48,6 +48,13 @@ dim but ``dim``, accumulated in float32, times float(1/divisor) when divisor > 0
 t: CUDA tensor, float32 / float16 / bfloat16, any strides.  Returns float32 [t.size(dim)].
 side=True: on the device's capture side stream, as conv_input_stats.)doc",
         py::arg("t"), py::arg("dim"), py::arg("square"), py::arg("divisor") = 0.0, py::arg("side") = false);
+  m.def("capture_side_enter", &lightning_cafin::side_enter,
+        R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
+waits for the current stream's work, with every tensor of reads marked as read there.
+Returns False (nothing changed) for CPU tensors or while a CUDA graph is being captured;
+each True must be followed by capture_side_exit().)doc",
+        py::arg("reads"));
+  m.def("capture_side_exit", &lightning_cafin::side_exit, "Restore the stream capture_side_enter replaced.");
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");
   m.def("capture_release", &lightning_cafin::capture_release,

@@ -42,6 +42,10 @@ DeviceSide& side_for(int device) {
   return it->second;
 }
 
+// the streams side_enter() replaced, innermost last (per thread: backward hooks may run
+// on the autograd engine's device threads)
+thread_local std::vector<c10::cuda::CUDAStream> t_replaced;
+
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(s, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
@@ -70,6 +74,34 @@ SideScope::SideScope(const at::Tensor& like, bool want) {
 void SideScope::reads(const at::Tensor& t) const {
   if (!guard_.has_value() || !t.defined() || !t.is_cuda() || !t.storage().data_ptr().get()) return;
   c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), guard_->current_stream());
+}
+
+bool side_enter(const std::vector<at::Tensor>& reads) {
+  if (reads.empty() || !reads[0].defined() || !reads[0].is_cuda()) return false;
+  const auto device = reads[0].device().index();
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
+  if (capturing(cur.stream())) return false;
+  c10::cuda::CUDAStream side = cur;
+  {
+    std::lock_guard<std::mutex> lock(side_mutex());
+    DeviceSide& d = side_for(device);
+    order(d.event, cur.stream(), d.stream.stream());
+    d.pending = true;
+    side = d.stream;
+  }
+  for (const at::Tensor& t : reads) {
+    if (t.defined() && t.is_cuda() && t.storage().data_ptr().get())
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
+  }
+  t_replaced.push_back(cur);
+  c10::cuda::setCurrentCUDAStream(side);
+  return true;
+}
+
+void side_exit() {
+  TORCH_CHECK(!t_replaced.empty(), "capture_side_exit() without a matching capture_side_enter()");
+  c10::cuda::setCurrentCUDAStream(t_replaced.back());
+  t_replaced.pop_back();
 }
 
 void capture_join() {

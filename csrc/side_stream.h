@@ -19,6 +19,7 @@
 
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 namespace lightning_cafin {
 
@@ -35,6 +36,14 @@ class SideScope {
  private:
   std::optional<c10::cuda::CUDAStreamGuard> guard_;
 };
+
+// Make the side stream of reads[0]'s device current on this thread, after it waits for
+// the current stream's work so far, with every tensor of `reads` marked as read there:
+// one ordering for all the statistics ops of a layer.  Returns false (nothing changed)
+// for CPU tensors or a capturing stream; every true must be paired with side_exit().
+bool side_enter(const std::vector<at::Tensor>& reads);
+// Restore the stream that the matching side_enter() replaced.
+void side_exit();
 
 // The current stream of every device with unjoined side work waits for that work.
 void capture_join();

@@ -153,7 +153,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         # costs nothing: autograd holds it for the weight's gradient, which is also why
         # it cannot have been changed in place by then.
         def on_output_grad(grad: Tensor) -> None:
-            with _no_grad_in_backward():
+            with _no_grad_in_backward(), streams.beside(x, grad):
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
@@ -165,7 +165,7 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
             h, hn = rule.input_partial(module, x)
 
         def on_output_grad(grad: Tensor) -> None:
-            with _no_grad_in_backward():
+            with _no_grad_in_backward(), streams.beside(grad, h):
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
 

@@ -7,9 +7,11 @@ adding the statistics' time to the capture step.
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the
-launch-bound training step had to spare.  Each statistics op asked for ``side()`` waits
-for the current stream's work so far, marks its inputs as read by the side stream and
-allocates its outputs there.  Before the optimizer consumes the statistics it calls
+launch-bound training step had to spare.  A layer's backward hook enters
+:func:`beside` once: the side stream waits for the current stream's work so far, the
+activation and gradient are marked as read by the side stream, and the statistics ops
+inside run (and allocate their outputs) there.  An op called with ``side()`` outside
+such a block orders itself the same way.  Before the optimizer consumes the statistics it calls
 :func:`join` (the current stream waits for the side stream); after consuming them,
 :func:`release` (the side stream waits for the current one, so the statistics' memory,
 freed to the side stream's pool, is not reused while the consumers may still read it).
@@ -30,10 +32,13 @@ import os
 import threading
 from typing import Iterator
 
+from torch import Tensor
+
 from . import kernels as _kernels
 
 _enabled = os.environ.get("LIGHTNING_CAFIN_CAPTURE_STREAM", "1").strip().lower() not in ("0", "false", "no", "off")
 _local = threading.local()
+_NULL = contextlib.nullcontext()
 
 
 def set_enabled(on: bool) -> bool:
@@ -61,6 +66,37 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _local.off = previous
+
+
+class _Beside:
+    """The block runs on the side stream, ordered once (see :func:`beside`)."""
+
+    __slots__ = ("_ext", "_reads", "_on", "_off_before")
+
+    def __init__(self, ext, reads: list) -> None:
+        self._ext, self._reads, self._on = ext, reads, False
+
+    def __enter__(self) -> None:
+        self._on = self._ext.capture_side_enter(self._reads)
+        if self._on:  # the ops inside are on the side stream already: no second ordering
+            self._off_before = getattr(_local, "off", False)
+            _local.off = True
+
+    def __exit__(self, *exc) -> None:
+        if self._on:
+            _local.off = self._off_before
+            self._ext.capture_side_exit()
+
+
+def beside(*reads: Tensor):
+    """A context running a layer's statistics ops on the side stream with one ordering for
+    all of them (instead of one per op), ``reads`` marked as read there.  A no-op (the
+    ops then order themselves, or stay on the current stream) when the side stream is
+    off or suspended, for CPU tensors, or before the extension is loaded."""
+    ext = _kernels._EXT
+    if ext is None or not _enabled or getattr(_local, "off", False) or not reads[0].is_cuda:
+        return _NULL
+    return _Beside(ext, list(reads))
 
 
 def join() -> None:
