@@ -545,6 +545,7 @@ class _AdaFisherBase(Optimizer):
             return
         if extra.get("format") != _STATE_FORMAT:
             raise ValueError(f"unknown AdaFisher state format {extra.get('format')!r} (expected {_STATE_FORMAT})")
+        self._count_skips(self._skips.settle())  # flags of steps before the load count there, not here
         self._global_step = int(extra["global_step"])
         self._force_capture = bool(extra["force_capture"])
         self._saved_factors = {n: {"S": f["S"].clone(), "H": f["H"].clone()} for n, f in extra["factors"].items()}
