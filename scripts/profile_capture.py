@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cafin import AdaFisher  # noqa: E402
-from lightning_cafin.bench import median_ms as bench_median_ms  # noqa: E402
+from lightning_cafin.bench import extra_ms, median_ms as bench_median_ms  # noqa: E402
 from lightning_cafin.capture import factors as factors_mod  # noqa: E402
 from lightning_cafin.capture import streams as capture_streams  # noqa: E402
 from lightning_cafin.models import ResNet18  # noqa: E402
@@ -174,6 +174,22 @@ def main():
     say(f"capture, no side stream  {capt_cur:8.3f} ms  (+{capt_cur - plain:.3f})  host enqueue {host_capt_cur:.3f} ms")
     say(f"hooks only (no rules)    {hooks_only:8.3f} ms  (+{hooks_only - plain:.3f})  host enqueue {host_hooks:.3f} ms")
     say(f"capture + update_factors {with_factors:8.3f} ms  (+{with_factors - capt:.3f} over capture)")
+
+    # the medians above are taken one after another and drift; these are interleaved pairs
+    def with_side(on):
+        def run():
+            was = capture_streams.set_enabled(on)
+            try:
+                capturing()
+            finally:
+                capture_streams.set_enabled(was)
+        return run
+
+    reps2 = 2 * args.reps
+    say("paired (median of interleaved pairs, the bench's capture_ms method):")
+    say(f"  capture - plain, side stream      {extra_ms(fwd_bwd, with_side(True), DEV, reps2):+8.3f} ms")
+    say(f"  capture - plain, current stream   {extra_ms(fwd_bwd, with_side(False), DEV, reps2):+8.3f} ms")
+    say(f"  side stream - current stream      {extra_ms(with_side(False), with_side(True), DEV, reps2):+8.3f} ms")
     say()
 
     # rules alone, per kind, GPU time
