@@ -79,7 +79,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      bool decoupled,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
-    const std::optional<at::Tensor>& lr_tensor) {
+                     const std::optional<at::Tensor>& lr_tensor) {
   // Indices are int64_t, not size_t, in every message (see the note in dims_str).
   const int64_t n = static_cast<int64_t>(params.size());
   check_same_list_size(n, grads.size(), "grads");

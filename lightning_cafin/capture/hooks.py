@@ -52,25 +52,17 @@ class PendingStats:
             self._h, self._s = self._h + h, self._s + s
         self._more.clear()
 
-    @property
-    def h(self) -> Optional[Tensor]:
-        self._fold()
-        return self._h
+    # the sums over every micro-batch so far (the kept-apart partials are added on access)
+    h = property(lambda self: self._folded("_h"), lambda self, v: self._set_folded("_h", v))
+    s = property(lambda self: self._folded("_s"), lambda self, v: self._set_folded("_s", v))
 
-    @h.setter
-    def h(self, value: Optional[Tensor]) -> None:
+    def _folded(self, name: str) -> Optional[Tensor]:
         self._fold()
-        self._h = value
+        return getattr(self, name)
 
-    @property
-    def s(self) -> Optional[Tensor]:
+    def _set_folded(self, name: str, value: Optional[Tensor]) -> None:
         self._fold()
-        return self._s
-
-    @s.setter
-    def s(self, value: Optional[Tensor]) -> None:
-        self._fold()
-        self._s = value
+        setattr(self, name, value)
 
     def add(self, h: Tensor, hn: float, s: Tensor, sn: float) -> bool:
         """Add one forward/backward pair; refuse one whose shape differs from the others."""
