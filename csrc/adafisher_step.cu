@@ -2,9 +2,9 @@
 //
 // One multi-tensor launch per (param dtype, momentum dtype) call: every tensor is
 // cut into chunks of kStepChunkSize elements, one CUDA block per (tensor, chunk)
-// work item.  The per-launch metadata (pointers, sizes, factor pointers, work list)
-// is a struct passed by value as a kernel argument, so a launch needs no device
-// memory of its own; several launches happen only when that struct is full.
+// work item.  The chunking and the by-value metadata are multi_tensor_launch.cuh's;
+// this file holds the update math (one __device__ function per optimizer), the vector
+// loop that applies it, and the launchers, which return errors and throw nothing.
 //
 // Per element e of a parameter viewed as a (len(S), ncols) row-major matrix:
 //   F  = S[e / ncols] * H[col_offset + e % ncols] + Lambda     (F = 1 without factors)
@@ -25,74 +25,87 @@
 // equals the unfused S[:, None] * H[None, :] + Lambda bit for bit.
 
 #include "adafisher_step.h"
+#include "dtype_dispatch.cuh"
+#include "multi_tensor_launch.cuh"
 #include "step_launch.h"
 #include "vector_io.cuh"
 
-// c10's stream header rather than ATen/cuda/CUDAContext.h: the latter pulls in
-// cuSPARSE/cuBLAS headers that a bare toolkit (only nvcc + cudart) may lack.
-// at::cuda::getCurrentCUDAStream is this same c10 function.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <cstdint>
-#include <string>
-#include <limits>
+#include <type_traits>
 
 namespace lightning_cafin {
 namespace {
 
 using namespace vector_io;
 
-// ---------------------------------------------------------------------------
-// Metadata passed by value.
-// ---------------------------------------------------------------------------
-
-struct StepMeta {
-  void* p[kStepMaxTensors];
-  const void* g[kStepMaxTensors];
-  void* m[kStepMaxTensors];
-  const float* S[kStepMaxTensors];  // nullptr: no factors (F = 1)
-  const float* H[kStepMaxTensors];  // already advanced by the parameter's col_offset
-  const float* step[kStepMaxTensors];
-  int64_t numel[kStepMaxTensors];
-  int32_t ncols[kStepMaxTensors];
-  int32_t block_chunk[kStepMaxBlocks];
-  uint8_t block_tensor[kStepMaxBlocks];
-};
-
-
-struct IncMeta {
-  float* step[kIncMaxTensors];
-  int n;
-};
+// The step kernel's by-value list: 32 parameters and 1024 (parameter, chunk) blocks per
+// launch.  The step counters' list: one thread per counter.
+using StepList = LaunchList<StepItem, kStepMaxTensors, kStepMaxBlocks>;
+using CounterList = LaunchList<float*, kIncMaxTensors>;
+constexpr int kIncBlockSize = 256;
 
 // Since CUDA 12.1 a kernel may take 32764 bytes of parameters on Volta and later (the
 // classic limit was 4096); the torch builds this extension targets are CUDA 12.6+.
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 12010
 #error "the fused step passes up to 32 KiB of kernel parameters: it needs CUDA 12.1 or newer"
 #endif
-static_assert(sizeof(StepMeta) + sizeof(StepScalars) + 2 * sizeof(void*) <= 32000,
+static_assert(sizeof(StepList) + sizeof(StepScalars) + 2 * sizeof(void*) <= kParamBytesLarge,
               "step kernel arguments exceed the 32 KiB kernel-parameter budget");
-static_assert(sizeof(IncMeta) + sizeof(void*) <= 4000,
+static_assert(sizeof(CounterList) + sizeof(void*) <= kParamBytesClassic,
               "counter kernel arguments exceed the 4 KiB kernel-parameter budget");
-static_assert(kStepMaxTensors <= 256, "block_tensor is uint8_t");
 static_assert(kStepChunkSize % (kStepBlockSize * 8) == 0,
               "chunk must be a whole number of block-wide vector iterations");
 
 // ---------------------------------------------------------------------------
-// Loads and stores.
+// The update math, per element, in fp32.  Every rounding is explicit (fmaf, __fmul_rn,
+// IEEE division): the fused step rounds like the unfused reference.
 // ---------------------------------------------------------------------------
 
+// F = S[row] * H[col] + Lambda, each operation rounded on its own, as the unfused
+// S[:, None] * H[None, :] + Lambda rounds.
+__device__ __forceinline__ float fisher_diagonal(const float* __restrict__ S, const float* __restrict__ H,
+                                                 int64_t row, uint32_t col, float lambda) {
+  return __fadd_rn(__fmul_rn(__ldg(S + row), __ldg(H + col)), lambda);
+}
+
+// The block's coefficient from the parameter's step count before this step:
+// AdaFisher the step size lr / bc, AdaFisherW the momentum factor 1 / bc, with
+// bc = 1 - beta^k, k = count + 1, computed in double.
+__device__ __forceinline__ float bias_coefficient(const StepScalars& sc, float count) {
+  const double k = static_cast<double>(count) + 1.0;
+  const double bc = 1.0 - pow(sc.beta, k);
+  const double lr = sc.lr_ptr != nullptr ? static_cast<double>(*sc.lr_ptr) : sc.lr;
+  return sc.decoupled ? 1.0f / static_cast<float>(bc) : static_cast<float>(lr / bc);
+}
+
+// AdaFisher (L2 decay): g' = g + wd * p;  m = beta*m + (1-beta)*g';  p -= (lr/bc) * m / F.
+__device__ __forceinline__ void adafisher_update(float& p, float& m, float g, float F, float step_size,
+                                                 const StepScalars& sc) {
+  const float p0 = p;
+  if (sc.has_wd) g = fmaf(sc.wd_f, p0, g);
+  const float m1 = fmaf(sc.one_minus_beta_f, g, __fmul_rn(sc.beta_f, m));
+  m = m1;
+  p = fmaf(-step_size, m1 / F, p0);
+}
+
+// AdaFisherW (decoupled decay): m = beta*m + (1-beta)*g;  p -= lr * (m/bc/F + wd*p).
+__device__ __forceinline__ void adafisherw_update(float& p, float& m, float g, float F, float inv_bc, float lr,
+                                                  const StepScalars& sc) {
+  const float p0 = p;
+  const float m1 = fmaf(sc.one_minus_beta_f, g, __fmul_rn(sc.beta_f, m));
+  m = m1;
+  float u = __fmul_rn(m1, inv_bc) / F;
+  if (sc.has_wd) u = fmaf(sc.wd_f, p0, u);
+  p = fmaf(-lr, u, p0);
+}
+
 // ---------------------------------------------------------------------------
-// The step kernel.
+// The kernels.
 // ---------------------------------------------------------------------------
 
 template <typename P, typename M>
 __global__ void __launch_bounds__(kStepBlockSize)
-adafisher_step_kernel(const StepMeta meta,
+adafisher_step_kernel(const StepList list,
                       const StepScalars sc,
                       const float* __restrict__ grad_scale,
                       const float* __restrict__ found_inf) {
@@ -102,28 +115,23 @@ adafisher_step_kernel(const StepMeta meta,
 
   if (found_inf != nullptr && *found_inf != 0.f) return;  // uniform over the grid
 
-  const int t = meta.block_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kStepChunkSize;
-  const int64_t left = meta.numel[t] - start;
+  const int t = list.blocks.slot[blockIdx.x];
+  const StepItem& item = list.item[t];
+  const int64_t start = static_cast<int64_t>(list.blocks.chunk[blockIdx.x]) * kStepChunkSize;
+  const int64_t left = item.numel - start;
   const int n = left < kStepChunkSize ? static_cast<int>(left) : kStepChunkSize;
 
-  P* __restrict__ p = static_cast<P*>(meta.p[t]) + start;
-  const P* __restrict__ g = static_cast<const P*>(meta.g[t]) + start;
-  M* __restrict__ m = static_cast<M*>(meta.m[t]) + start;
-  const float* __restrict__ S = meta.S[t];
-  const float* __restrict__ H = meta.H[t];
+  P* __restrict__ p = static_cast<P*>(item.p) + start;
+  const P* __restrict__ g = static_cast<const P*>(item.g) + start;
+  M* __restrict__ m = static_cast<M*>(item.m) + start;
+  const float* __restrict__ S = item.S;
+  const float* __restrict__ H = item.H;
   const bool has_f = S != nullptr;
   const bool aligned = is_aligned16(p) && is_aligned16(g) && is_aligned16(m);
 
-  // Bias correction: once per block, in double, from the count before the increment.
+  // Bias correction: once per block.
   __shared__ float s_coef;
-  if (threadIdx.x == 0) {
-    const double k = static_cast<double>(*meta.step[t]) + 1.0;
-    const double bc = 1.0 - pow(sc.beta, k);
-    // AdaFisher: the step size lr / bc.  AdaFisherW: the factor 1 / bc applied to m.
-    const double lr = sc.lr_ptr != nullptr ? static_cast<double>(*sc.lr_ptr) : sc.lr;
-    s_coef = sc.decoupled ? 1.0f / static_cast<float>(bc) : static_cast<float>(lr / bc);
-  }
+  if (threadIdx.x == 0) s_coef = bias_coefficient(sc, *item.step);
   const float lr_f = sc.lr_ptr != nullptr ? *sc.lr_ptr : sc.lr_f;
   const bool has_gs = grad_scale != nullptr;
   const float gs = has_gs ? *grad_scale : 1.f;
@@ -137,7 +145,7 @@ adafisher_step_kernel(const StepMeta meta,
   uint32_t nc = 1, col = 0, dq = 0, dr = 0;
   int64_t row = 0;
   if (has_f) {
-    nc = static_cast<uint32_t>(meta.ncols[t]);
+    nc = static_cast<uint32_t>(item.ncols);
     const int64_t e0 = start + i0;
     row = e0 / static_cast<int64_t>(nc);
     col = static_cast<uint32_t>(e0 - row * static_cast<int64_t>(nc));
@@ -165,7 +173,7 @@ adafisher_step_kernel(const StepMeta meta,
     for (int j = 0; j < kVec; ++j) {
       float F = 1.f;
       if (has_f && j < valid) {
-        F = __fadd_rn(__fmul_rn(__ldg(S + rj), __ldg(H + cj)), sc.lambda_f);
+        F = fisher_diagonal(S, H, rj, cj, sc.lambda_f);
         if (++cj == nc) {
           cj = 0;
           ++rj;
@@ -173,18 +181,10 @@ adafisher_step_kernel(const StepMeta meta,
       }
       float gj = gv[j];
       if (has_gs) gj = gj / gs;
-      const float pj = pv[j];
       if (!sc.decoupled) {
-        if (sc.has_wd) gj = fmaf(sc.wd_f, pj, gj);
-        const float mj = fmaf(sc.one_minus_beta_f, gj, __fmul_rn(sc.beta_f, mv[j]));
-        mv[j] = mj;
-        pv[j] = fmaf(-coef, mj / F, pj);
+        adafisher_update(pv[j], mv[j], gj, F, coef, sc);
       } else {
-        const float mj = fmaf(sc.one_minus_beta_f, gj, __fmul_rn(sc.beta_f, mv[j]));
-        mv[j] = mj;
-        float u = __fmul_rn(mj, coef) / F;
-        if (sc.has_wd) u = fmaf(sc.wd_f, pj, u);
-        pv[j] = fmaf(-lr_f, u, pj);
+        adafisherw_update(pv[j], mv[j], gj, F, coef, lr_f, sc);
       }
     }
 
@@ -207,110 +207,46 @@ adafisher_step_kernel(const StepMeta meta,
   }
 }
 
-__global__ void increment_steps_kernel(const IncMeta meta, const float* __restrict__ found_inf) {
+__global__ void increment_steps_kernel(const CounterList list, const float* __restrict__ found_inf) {
   if (found_inf != nullptr && *found_inf != 0.f) return;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < meta.n) *meta.step[i] += 1.f;
+  if (i < list.count) *list.item[i] += 1.f;
 }
 
 // ---------------------------------------------------------------------------
-// Host side.
+// Launchers.
 // ---------------------------------------------------------------------------
 
+int64_t step_chunks(const StepItem& it) { return (it.numel + kStepChunkSize - 1) / kStepChunkSize; }
 
 template <typename P, typename M>
-void launch_step_kernels(const StepItem* items, size_t n_items,
-                         const StepScalars& sc,
-                         const float* grad_scale,
-                         const float* found_inf,
-                         cudaStream_t stream) {
-  StepMeta meta;
-  int nt = 0;  // tensor slot being filled
-  int nb = 0;  // blocks recorded
-  auto launch = [&]() {
-    adafisher_step_kernel<P, M><<<nb, kStepBlockSize, 0, stream>>>(meta, sc, grad_scale, found_inf);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    nb = 0;
-  };
-  auto fill_slot = [&](int slot, const StepItem& it) {
-    meta.p[slot] = it.p;
-    meta.g[slot] = it.g;
-    meta.m[slot] = it.m;
-    meta.S[slot] = it.S;
-    meta.H[slot] = it.H;
-    meta.step[slot] = it.step;
-    meta.numel[slot] = it.numel;
-    meta.ncols[slot] = it.ncols;
-  };
-
-  for (size_t k = 0; k < n_items; ++k) {
-    const StepItem& it = items[k];
-    if (it.numel == 0) continue;
-    fill_slot(nt, it);
-    const int64_t nchunks = (it.numel + kStepChunkSize - 1) / kStepChunkSize;
-    for (int64_t c = 0; c < nchunks; ++c) {
-      meta.block_tensor[nb] = static_cast<uint8_t>(nt);
-      meta.block_chunk[nb] = static_cast<int32_t>(c);
-      ++nb;
-      const bool last_chunk = c == nchunks - 1;
-      const bool blocks_full = nb == kStepMaxBlocks;
-      const bool tensors_full = last_chunk && nt + 1 == kStepMaxTensors;
-      if (blocks_full || tensors_full) {
-        launch();
-        if (last_chunk) {
-          nt = -1;  // the next tensor starts at slot 0
-        } else {
-          fill_slot(0, it);  // the rest of this tensor continues in slot 0
-          nt = 0;
-        }
-      }
-    }
-    ++nt;
-  }
-  if (nb > 0) launch();
-}
-
-void launch_increment_kernels(float* const* steps, size_t n_steps,
-                              const float* found_inf,
-                              cudaStream_t stream) {
-  IncMeta meta;
-  meta.n = 0;
-  auto launch = [&]() {
-    const int threads = 256;
-    const int blocks = (meta.n + threads - 1) / threads;
-    increment_steps_kernel<<<blocks, threads, 0, stream>>>(meta, found_inf);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    meta.n = 0;
-  };
-  for (size_t k = 0; k < n_steps; ++k) {
-    meta.step[meta.n++] = steps[k];
-    if (meta.n == kIncMaxTensors) launch();
-  }
-  if (meta.n > 0) launch();
+cudaError_t launch_step_kernels(const StepItem* items, size_t n, const StepScalars& sc, const float* grad_scale,
+                                const float* found_inf, cudaStream_t stream) {
+  return launch_items<StepList>(items, n, step_chunks, [&](const StepList& list, int blocks) {
+    adafisher_step_kernel<P, M><<<blocks, kStepBlockSize, 0, stream>>>(list, sc, grad_scale, found_inf);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace
 
-void launch_adafisher_step(const StepItem* items, size_t n, at::ScalarType pdtype, at::ScalarType mdtype,
-                           const StepScalars& sc, const float* grad_scale, const float* found_inf,
-                           cudaStream_t stream) {
-  if (pdtype == at::kFloat) {
-    launch_step_kernels<float, float>(items, n, sc, grad_scale, found_inf, stream);
-  } else if (pdtype == at::kHalf) {
-    if (mdtype == at::kFloat) {
-      launch_step_kernels<at::Half, float>(items, n, sc, grad_scale, found_inf, stream);
-    } else {
-      launch_step_kernels<at::Half, at::Half>(items, n, sc, grad_scale, found_inf, stream);
-    }
-  } else if (mdtype == at::kFloat) {
-    launch_step_kernels<at::BFloat16, float>(items, n, sc, grad_scale, found_inf, stream);
-  } else {
-    launch_step_kernels<at::BFloat16, at::BFloat16>(items, n, sc, grad_scale, found_inf, stream);
-  }
+cudaError_t launch_adafisher_step(const StepItem* items, size_t n, at::ScalarType pdtype, at::ScalarType mdtype,
+                                  const StepScalars& sc, const float* grad_scale, const float* found_inf,
+                                  cudaStream_t stream) {
+  return dispatch_float_dtype(pdtype, [&](auto* tag) -> cudaError_t {
+    using P = std::remove_pointer_t<decltype(tag)>;
+    if (mdtype == at::kFloat) return launch_step_kernels<P, float>(items, n, sc, grad_scale, found_inf, stream);
+    if (mdtype != pdtype) return cudaErrorInvalidValue;
+    return launch_step_kernels<P, P>(items, n, sc, grad_scale, found_inf, stream);
+  });
 }
 
-void launch_step_increments(float* const* steps, size_t n, const float* found_inf, cudaStream_t stream) {
-  launch_increment_kernels(steps, n, found_inf, stream);
+cudaError_t launch_step_increments(float* const* steps, size_t n, const float* found_inf, cudaStream_t stream) {
+  return launch_items<CounterList>(steps, n, OneUnitEach{}, [&](const CounterList& list, int count) {
+    const int blocks = (count + kIncBlockSize - 1) / kIncBlockSize;
+    increment_steps_kernel<<<blocks, kIncBlockSize, 0, stream>>>(list, found_inf);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace lightning_cafin

@@ -1,7 +1,9 @@
-// The adafisher_step_ op: checks every argument (naming it), builds the work list and
-// hands it to the launchers in adafisher_step.cu.  Compiled by the host compiler so
-// that a failed check raises a Python RuntimeError on every toolchain.
+// The adafisher_step_ op: checks every argument (naming it, checks.h), builds the work
+// list, hands it to the launchers in adafisher_step.cu and raises on the error they
+// return.  Compiled by the host compiler so that a failed check raises a Python
+// RuntimeError on every toolchain.
 #include "adafisher_step.h"
+#include "checks.h"
 #include "step_launch.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -15,52 +17,7 @@
 namespace lightning_cafin {
 namespace {
 
-// Numbers in check messages are formatted with std::to_string, never streamed.  On the
-// GPU machine's toolchain (torch 2.11, extension built by /opt/gcc) the extension carries
-// its own copy of std::ostream::_M_insert<long>; streaming any integer or double into
-// c10::str's ostringstream jumped through a mismatched locale facet and segfaulted (seen
-// under cuda-gdb: SIGSEGV in basic_ostream::_M_insert<long> inside lightning_cafin_C.so,
-// called from adafisher_step_), so every failed check that carried a number crashed the
-// process instead of raising.  Strings and const char* are streamed safely.
-template <typename T>
-std::string num(T v) {
-  return std::to_string(v);
-}
-
-std::string dims_str(at::IntArrayRef dims) {
-  std::string out = "(";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) out += ", ";
-    out += std::to_string(dims[i]);
-  }
-  return out + ")";
-}
-
 const char* kOp = "adafisher_step_: ";
-
-void check_same_list_size(int64_t n, int64_t got, const char* name) {
-  TORCH_CHECK(got == n, kOp, name, " has ", num(got), " entries but params has ", num(n));
-}
-
-void check_dense(const at::Tensor& t, const char* name, int64_t i, const c10::Device& device) {
-  TORCH_CHECK(t.defined(), kOp, name, "[", num(i), "] is undefined (None)");
-  TORCH_CHECK(t.is_cuda(), kOp, name, "[", num(i), "] must be a CUDA tensor, got a tensor on ",
-              t.device());
-  TORCH_CHECK(t.device() == device, kOp, name, "[", num(i), "] is on ", t.device().str(),
-              " but params[0] is on ", device.str(), "; call the op once per device");
-}
-
-void check_scalar_f32(const at::Tensor& t, const char* name, const c10::Device& device) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, kOp, name, " must be on ", device.str(),
-              ", got a tensor on ", t.device().str());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, name, " must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.numel() == 1, kOp, name, " must have exactly one element, got ", num(t.numel()));
-}
-
-bool supported_param_dtype(at::ScalarType s) {
-  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
-}
 
 }  // namespace
 
@@ -80,29 +37,26 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& lr_tensor) {
-  // Indices are int64_t, not size_t, in every message (see the note in dims_str).
   const int64_t n = static_cast<int64_t>(params.size());
-  check_same_list_size(n, grads.size(), "grads");
-  check_same_list_size(n, exp_avgs.size(), "exp_avgs");
-  check_same_list_size(n, steps.size(), "steps");
-  check_same_list_size(n, S_list.size(), "S_list");
-  check_same_list_size(n, H_list.size(), "H_list");
-  check_same_list_size(n, col_offsets.size(), "col_offsets");
-  check_same_list_size(n, ncols.size(), "ncols");
+  check_list_size(grads.size(), n, kOp, "grads", "params");
+  check_list_size(exp_avgs.size(), n, kOp, "exp_avgs", "params");
+  check_list_size(steps.size(), n, kOp, "steps", "params");
+  check_list_size(S_list.size(), n, kOp, "S_list", "params");
+  check_list_size(H_list.size(), n, kOp, "H_list", "params");
+  check_list_size(col_offsets.size(), n, kOp, "col_offsets", "params");
+  check_list_size(ncols.size(), n, kOp, "ncols", "params");
   TORCH_CHECK(beta >= 0.0 && beta < 1.0, kOp, "beta must lie in [0, 1), got ", num(beta));
   if (n == 0) return;
 
-  TORCH_CHECK(params[0].defined(), kOp, "params[0] is undefined (None)");
-  TORCH_CHECK(params[0].is_cuda(), kOp, "params[0] must be a CUDA tensor, got a tensor on ",
-              params[0].device().str());
+  check_cuda(params[0], kOp, "params[0]");
   const c10::Device device = params[0].device();
   const at::ScalarType pdtype = params[0].scalar_type();
-  TORCH_CHECK(supported_param_dtype(pdtype), kOp,
-              "params must be float32, float16 or bfloat16, got params[0] of dtype ", pdtype);
-  TORCH_CHECK(exp_avgs[0].defined(), kOp, "exp_avgs[0] is undefined (None)");
+  TORCH_CHECK(is_kernel_float(pdtype), kOp, "params must be float32, float16 or bfloat16, got params[0] of dtype ",
+              dtype_name(pdtype));
+  check_defined(exp_avgs[0], kOp, "exp_avgs[0]");
   const at::ScalarType mdtype = exp_avgs[0].scalar_type();
-  TORCH_CHECK(mdtype == pdtype || mdtype == at::kFloat, kOp,
-              "exp_avgs must have the params' dtype (", pdtype, ") or float32, got ", mdtype);
+  TORCH_CHECK(mdtype == pdtype || mdtype == at::kFloat, kOp, "exp_avgs must have the params' dtype (",
+              dtype_name(pdtype), ") or float32, got ", dtype_name(mdtype));
 
   std::vector<StepItem> items;
   items.reserve(n);
@@ -111,30 +65,25 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     const at::Tensor& g = grads[i];
     const at::Tensor& m = exp_avgs[i];
     const at::Tensor& s = steps[i];
-    check_dense(p, "params", i, device);
-    check_dense(g, "grads", i, device);
-    check_dense(m, "exp_avgs", i, device);
-    check_dense(s, "steps", i, device);
-    TORCH_CHECK(p.scalar_type() == pdtype, kOp, "params[", num(i), "] has dtype ", p.scalar_type(),
-                " but params[0] has ", pdtype, "; group tensors by dtype");
-    TORCH_CHECK(g.scalar_type() == pdtype, kOp, "grads[", num(i), "] has dtype ", g.scalar_type(),
-                " but params[", num(i), "] has ", pdtype);
-    TORCH_CHECK(m.scalar_type() == mdtype, kOp, "exp_avgs[", num(i), "] has dtype ",
-                m.scalar_type(), " but exp_avgs[0] has ", mdtype,
-                "; group tensors by momentum dtype");
+    const std::string p_name = indexed("params", i), g_name = indexed("grads", i), m_name = indexed("exp_avgs", i);
+    check_cuda_on(p, kOp, p_name, device, "params[0]");
+    check_cuda_on(g, kOp, g_name, device, "params[0]");
+    check_cuda_on(m, kOp, m_name, device, "params[0]");
+    check_cuda_on(s, kOp, indexed("steps", i), device, "params[0]");
+    TORCH_CHECK(p.scalar_type() == pdtype, kOp, p_name, " has dtype ", dtype_name(p.scalar_type()),
+                " but params[0] has ", dtype_name(pdtype), "; group tensors by dtype");
+    TORCH_CHECK(g.scalar_type() == pdtype, kOp, g_name, " has dtype ", dtype_name(g.scalar_type()), " but ", p_name,
+                " has ", dtype_name(pdtype));
+    TORCH_CHECK(m.scalar_type() == mdtype, kOp, m_name, " has dtype ", dtype_name(m.scalar_type()),
+                " but exp_avgs[0] has ", dtype_name(mdtype), "; group tensors by momentum dtype");
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, kOp, "steps[", num(i),
-                "] must be a float32 tensor with one element, got dtype ", s.scalar_type(),
-                " and ", num(s.numel()), " elements");
-    TORCH_CHECK(p.is_contiguous(), kOp, "params[", num(i), "] must be contiguous (strides ",
-                dims_str(p.strides()), ")");
-    TORCH_CHECK(g.is_contiguous(), kOp, "grads[", num(i), "] must be contiguous (strides ",
-                dims_str(g.strides()), ")");
-    TORCH_CHECK(m.is_contiguous(), kOp, "exp_avgs[", num(i), "] must be contiguous (strides ",
-                dims_str(m.strides()), ")");
-    TORCH_CHECK(g.sizes() == p.sizes(), kOp, "grads[", num(i), "] has shape ", dims_str(g.sizes()),
-                " but params[", num(i), "] has shape ", dims_str(p.sizes()));
-    TORCH_CHECK(m.sizes() == p.sizes(), kOp, "exp_avgs[", num(i), "] has shape ", dims_str(m.sizes()),
-                " but params[", num(i), "] has shape ", dims_str(p.sizes()));
+                "] must be a float32 tensor with one element, got dtype ", dtype_name(s.scalar_type()), " and ",
+                num(s.numel()), " elements");
+    check_contiguous(p, kOp, p_name);
+    check_contiguous(g, kOp, g_name);
+    check_contiguous(m, kOp, m_name);
+    check_same_shape(g, p, kOp, g_name, p_name);
+    check_same_shape(m, p, kOp, m_name, p_name);
 
     StepItem it;
     it.p = p.data_ptr();
@@ -153,53 +102,47 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     if (has_S) {
       const at::Tensor& S = *S_list[i];
       const at::Tensor& H = *H_list[i];
-      check_dense(S, "S_list", i, device);
-      check_dense(H, "H_list", i, device);
-      TORCH_CHECK(S.scalar_type() == at::kFloat, kOp, "S_list[", num(i), "] must be float32, got ",
-                  S.scalar_type());
-      TORCH_CHECK(H.scalar_type() == at::kFloat, kOp, "H_list[", num(i), "] must be float32, got ",
-                  H.scalar_type());
-      TORCH_CHECK(S.dim() == 1 && S.is_contiguous(), kOp, "S_list[", num(i),
-                  "] must be a contiguous 1-D tensor, got shape ", dims_str(S.sizes()), " strides ",
-                  dims_str(S.strides()));
-      TORCH_CHECK(H.dim() == 1 && H.is_contiguous(), kOp, "H_list[", num(i),
-                  "] must be a contiguous 1-D tensor, got shape ", dims_str(H.sizes()), " strides ",
-                  dims_str(H.strides()));
+      const std::string S_name = indexed("S_list", i), H_name = indexed("H_list", i);
+      check_cuda_on(S, kOp, S_name, device, "params[0]");
+      check_cuda_on(H, kOp, H_name, device, "params[0]");
+      check_dtype(S, at::kFloat, kOp, S_name);
+      check_dtype(H, at::kFloat, kOp, H_name);
+      check_contiguous_1d(S, kOp, S_name);
+      check_contiguous_1d(H, kOp, H_name);
       const int64_t nc = ncols[i];
       const int64_t off = col_offsets[i];
       TORCH_CHECK(nc >= 1 && nc <= std::numeric_limits<int32_t>::max(), kOp, "ncols[", num(i),
                   "] must lie in [1, 2^31), got ", num(nc));
-      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, "params[", num(i), "] has ", num(p.numel()),
-                  " elements but len(S_list[", num(i), "]) * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
-      TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", num(i), "] + ncols[", num(i),
-                  "] = ", num(off), " + ", num(nc), " exceeds len(H_list[", num(i), "]) = ", num(H.numel()));
+      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, p_name, " has ", num(p.numel()), " elements but len(", S_name,
+                  ") * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
+      TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", num(i), "] + ncols[", num(i), "] = ",
+                  num(off), " + ", num(nc), " exceeds len(", H_name, ") = ", num(H.numel()));
       if (p.numel() > 0) {
         it.S = S.data_ptr<float>();
         it.H = H.data_ptr<float>() + off;
         it.ncols = static_cast<int32_t>(nc);
       }
     }
-    TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <=
-                    std::numeric_limits<int32_t>::max(),
-                kOp, "params[", num(i), "] is too large (", num(it.numel), " elements)");
+    TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <= std::numeric_limits<int32_t>::max(), kOp, p_name,
+                " is too large (", num(it.numel), " elements)");
     items.push_back(it);
   }
 
   const float* gs_ptr = nullptr;
   const float* fi_ptr = nullptr;
   if (grad_scale.has_value() && grad_scale->defined()) {
-    check_scalar_f32(*grad_scale, "grad_scale", device);
+    check_device_scalar(*grad_scale, kOp, "grad_scale", device, "params[0]");
     gs_ptr = grad_scale->data_ptr<float>();
   }
   if (found_inf.has_value() && found_inf->defined()) {
-    check_scalar_f32(*found_inf, "found_inf", device);
+    check_device_scalar(*found_inf, kOp, "found_inf", device, "params[0]");
     fi_ptr = found_inf->data_ptr<float>();
   }
 
   StepScalars sc;
   sc.lr_ptr = nullptr;
   if (lr_tensor.has_value() && lr_tensor->defined()) {
-    check_scalar_f32(*lr_tensor, "lr_tensor", device);
+    check_device_scalar(*lr_tensor, kOp, "lr_tensor", device, "params[0]");
     sc.lr_ptr = lr_tensor->data_ptr<float>();
   }
   sc.lr = lr;
@@ -215,13 +158,13 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
-  launch_adafisher_step(items.data(), items.size(), pdtype, mdtype, sc, gs_ptr, fi_ptr, stream);
+  check_launch(launch_adafisher_step(items.data(), items.size(), pdtype, mdtype, sc, gs_ptr, fi_ptr, stream), kOp);
   // Ordered after every step launch on the same stream: no block reads a counter
   // that is being incremented.
   std::vector<float*> step_ptrs;
   step_ptrs.reserve(steps.size());
   for (const at::Tensor& s : steps) step_ptrs.push_back(s.data_ptr<float>());
-  launch_step_increments(step_ptrs.data(), step_ptrs.size(), fi_ptr, stream);
+  check_launch(launch_step_increments(step_ptrs.data(), step_ptrs.size(), fi_ptr, stream), kOp);
 }
 
 }  // namespace lightning_cafin

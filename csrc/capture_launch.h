@@ -15,7 +15,7 @@ namespace lightning_cafin {
 
 // Threads per block of every capture kernel.
 constexpr int kCaptureBlock = 256;
-// Layers per launch of the factor-update kernel (its metadata is passed by value).
+// Layers per launch of the factor-update kernel (its by-value list, multi_tensor_launch.cuh).
 constexpr int kFactorMaxLayers = 56;
 
 // ---------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-// The factor-capture ops: argument checks, layout canonicalisation, workspace and
-// grid sizing; the kernels are in capture_stats.cu.  Compiled by the host compiler so
-// that a failed check raises a Python RuntimeError.  Numbers in check messages go through
-// num() (std::to_string), never through an ostream (see adafisher_step_op.cpp).
+// The factor-capture ops: argument checks (checks.h), layout canonicalisation, workspace
+// and grid sizing; the kernels are in capture_stats.cu, whose launchers return errors
+// that these ops raise.  Compiled by the host compiler so that a failed check raises a
+// Python RuntimeError.
 #include "capture_launch.h"
 #include "capture_ops.h"
+#include "checks.h"
 #include "side_stream.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -20,24 +21,14 @@
 namespace lightning_cafin {
 namespace {
 
-template <typename T>
-std::string num(T v) {
-  return std::to_string(v);
-}
-
 const char* kConv = "conv_input_stats: ";
 const char* kChan = "channel_stats: ";
 const char* kFac = "factor_update_: ";
 
-bool supported_dtype(at::ScalarType s) { return s == at::kFloat || s == at::kHalf || s == at::kBFloat16; }
-
-std::string dtype_name(at::ScalarType s) { return std::string(c10::toString(s)); }
-
+// A statistics op's input: a CUDA tensor the kernels read.
 void check_input(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.defined(), op, name, " is undefined (None)");
-  TORCH_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor, got one on ", t.device().str());
-  TORCH_CHECK(supported_dtype(t.scalar_type()), op, name, " must be float32, float16 or bfloat16, got ",
-              dtype_name(t.scalar_type()));
+  check_cuda(t, op, name);
+  check_kernel_float(t, op, name);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -69,10 +60,6 @@ at::Tensor new_f32(int64_t n, const at::Tensor& like) {
 
 cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, "kernel launch failed: ", cudaGetErrorString(err));
 }
 
 // n zeroed counter slots for the kernels' last-block reductions (capture_launch.h), from
@@ -273,17 +260,15 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                     static_cast<int64_t>(s_scale.size()), static_cast<int64_t>(extra.size())})
     TORCH_CHECK(n == L, kFac, "every list must have one entry per layer (", num(L), "), got one with ", num(n));
   TORCH_CHECK(L > 0, kFac, "no layers");
-  TORCH_CHECK(h[0].defined() && h[0].is_cuda(), kFac, "h[0] must be a CUDA tensor");
+  check_cuda(h[0], kFac, "h[0]");
   const c10::Device device = h[0].device();
-  auto check_vec = [&](const at::Tensor& t, const char* name, int64_t i) {
-    TORCH_CHECK(t.defined(), kFac, name, "[", num(i), "] is undefined (None)");
-    TORCH_CHECK(t.is_cuda() && t.device() == device, kFac, name, "[", num(i), "] must be on ", device.str(),
-                ", got a tensor on ", t.device().str());
-    TORCH_CHECK(t.scalar_type() == at::kFloat, kFac, name, "[", num(i), "] must be float32, got ",
-                dtype_name(t.scalar_type()));
-    TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), kFac, name, "[", num(i), "] must be a contiguous 1-D tensor");
-    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name, "[", num(i),
-                "] has ", num(t.numel()), " elements");
+  auto check_vec = [&](const at::Tensor& t, const char* list, int64_t i) {
+    const std::string name = indexed(list, i);
+    check_cuda_on(t, kFac, name, device, "h[0]");
+    check_dtype(t, at::kFloat, kFac, name);
+    check_contiguous_1d(t, kFac, name);
+    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name, " has ",
+                num(t.numel()), " elements");
   };
   std::vector<FactorItem> items(L);
   for (int64_t i = 0; i < L; ++i) {

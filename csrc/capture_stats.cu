@@ -12,10 +12,9 @@
 // rounded multiplies and adds (no contraction), so it equals the unfused torch ops.
 
 #include "capture_launch.h"
+#include "dtype_dispatch.cuh"
+#include "multi_tensor_launch.cuh"
 #include "vector_io.cuh"
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cuda_runtime.h>
 
@@ -283,14 +282,11 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
 }
 
 // ---------------------------------------------------------------------------
-// The factor update: one block per layer.
+// The factor update: one block per layer, kFactorMaxLayers layers per launch.
 // ---------------------------------------------------------------------------
-struct FactorMeta {
-  FactorItem item[kFactorMaxLayers];
-  int base;  // index of item[0] in nan_flags
-};
+using FactorList = LaunchList<FactorItem, kFactorMaxLayers>;
 
-static_assert(sizeof(FactorMeta) + 2 * sizeof(float) + sizeof(void*) <= 4000,
+static_assert(sizeof(FactorList) + 2 * sizeof(float) + sizeof(void*) <= kParamBytesClassic,
               "factor kernel arguments exceed the 4 KiB kernel-parameter budget");
 
 __device__ __forceinline__ float map_inf(float v) {
@@ -342,10 +338,11 @@ __device__ MinMaxNan block_min_max_nan(float lo, float hi, int nan, float* smem 
   return r;
 }
 
-__global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorMeta meta, float c_old, float c_new,
+__global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList list, float c_old, float c_new,
                                                                       int32_t* __restrict__ nan_flags) {
   __shared__ float smem[96];
-  const FactorItem& it = meta.item[blockIdx.x];
+  const FactorItem& it = list.item[blockIdx.x];
+  int32_t* const nan_flag = nan_flags + list.first + blockIdx.x;
   const int nH = it.kind == 1 ? 2 : it.nh + ((it.flags & kFactorAppend) ? 1 : 0);
 
   float h0 = 0.f;  // two-column layers: sum h^2 * inv_hn
@@ -375,10 +372,10 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorMeta
   const MinMaxNan hr = block_min_max_nan(hlo, hhi, nan, smem);
   const MinMaxNan sr = block_min_max_nan(slo, shi, 0, smem);
   if (hr.nan) {
-    if (threadIdx.x == 0) nan_flags[meta.base + blockIdx.x] = 1;
+    if (threadIdx.x == 0) *nan_flag = 1;
     return;
   }
-  if (threadIdx.x == 0) nan_flags[meta.base + blockIdx.x] = 0;
+  if (threadIdx.x == 0) *nan_flag = 0;
   const bool init = (it.flags & kFactorInit) != 0;
   const float hd = __fadd_rn(__fsub_rn(hr.hi, hr.lo), 1e-6f);
   for (int j = threadIdx.x; j < nH; j += kCaptureBlock) {
@@ -395,22 +392,8 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorMeta
 }
 
 // ---------------------------------------------------------------------------
-// Dispatch helpers.
+// Grid sizes.
 // ---------------------------------------------------------------------------
-template <typename F>
-cudaError_t dispatch_dtype(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      return f(static_cast<float*>(nullptr));
-    case at::kHalf:
-      return f(static_cast<c10::Half*>(nullptr));
-    case at::kBFloat16:
-      return f(static_cast<c10::BFloat16*>(nullptr));
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
 inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kCaptureBlock - 1) / kCaptureBlock); }
 
 // Blocks along x of the channels-innermost kernel: 32 threads of vec channels each.
@@ -439,7 +422,7 @@ int capture_sm_count() {
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
                                     float* maps, float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const int64_t M = a.C * a.H * a.W;
-  cudaError_t err = dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
+  cudaError_t err = dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* x = static_cast<const T*>(a.x);
@@ -461,7 +444,7 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
 
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel, int nsplit,
                                  float* ws, unsigned* counters, float* out, cudaStream_t stream) {
-  return dispatch_dtype(dtype, [&](auto* tag) -> cudaError_t {
+  return dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* t = static_cast<const T*>(a.t);
@@ -489,16 +472,10 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
                                  cudaStream_t stream) {
-  for (int start = 0; start < n; start += kFactorMaxLayers) {
-    const int count = n - start < kFactorMaxLayers ? n - start : kFactorMaxLayers;
-    FactorMeta meta;
-    for (int i = 0; i < count; ++i) meta.item[i] = items[start + i];
-    meta.base = start;
-    factor_update_kernel<<<count, kCaptureBlock, 0, stream>>>(meta, c_old, c_new, nan_flags);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return launch_items<FactorList>(items, static_cast<size_t>(n), OneUnitEach{}, [&](const FactorList& list, int layers) {
+    factor_update_kernel<<<layers, kCaptureBlock, 0, stream>>>(list, c_old, c_new, nan_flags);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace lightning_cafin

@@ -9,6 +9,8 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 namespace lightning_cafin {
 namespace {
@@ -57,44 +59,56 @@ void order(cudaEvent_t ev, cudaStream_t done, cudaStream_t waiter) {
   C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, ev, 0));
 }
 
-}  // namespace
-
-SideScope::SideScope(const at::Tensor& like, bool want) {
-  if (!want || !like.is_cuda()) return;
-  const int device = like.device().index();
-  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
-  if (capturing(cur.stream())) return;
+// The side stream of `device`, made to wait for the current stream's work so far and
+// marked pending; none while the current stream is being captured into a CUDA graph.
+std::optional<c10::cuda::CUDAStream> order_side_after_current(c10::DeviceIndex device) {
+  const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
+  if (capturing(cur.stream())) return std::nullopt;
   std::lock_guard<std::mutex> lock(side_mutex());
   DeviceSide& d = side_for(device);
   order(d.event, cur.stream(), d.stream.stream());
   d.pending = true;
-  guard_.emplace(d.stream);
+  return d.stream;
+}
+
+// The caching allocator keeps t's memory until `side` is done with it.
+void record_read(const at::Tensor& t, const c10::cuda::CUDAStream& side) {
+  if (t.defined() && t.is_cuda() && t.storage().data_ptr().get())
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
+}
+
+// f(side state, that device's current stream) for every device with side work
+// not yet released.
+template <typename F>
+void each_pending(F&& f) {
+  std::lock_guard<std::mutex> lock(side_mutex());
+  for (auto& [device, d] : sides()) {
+    if (!d.pending) continue;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    f(d, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+  }
+}
+
+}  // namespace
+
+SideScope::SideScope(const at::Tensor& like, bool want) {
+  if (!want || !like.is_cuda()) return;
+  if (auto side = order_side_after_current(like.device().index())) guard_.emplace(*side);
 }
 
 void SideScope::reads(const at::Tensor& t) const {
-  if (!guard_.has_value() || !t.defined() || !t.is_cuda() || !t.storage().data_ptr().get()) return;
-  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), guard_->current_stream());
+  if (guard_.has_value()) record_read(t, guard_->current_stream());
 }
 
 bool side_enter(const std::vector<at::Tensor>& reads) {
   if (reads.empty() || !reads[0].defined() || !reads[0].is_cuda()) return false;
-  const auto device = reads[0].device().index();
+  const c10::DeviceIndex device = reads[0].device().index();
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
-  if (capturing(cur.stream())) return false;
-  c10::cuda::CUDAStream side = cur;
-  {
-    std::lock_guard<std::mutex> lock(side_mutex());
-    DeviceSide& d = side_for(device);
-    order(d.event, cur.stream(), d.stream.stream());
-    d.pending = true;
-    side = d.stream;
-  }
-  for (const at::Tensor& t : reads) {
-    if (t.defined() && t.is_cuda() && t.storage().data_ptr().get())
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), side);
-  }
+  const auto side = order_side_after_current(device);
+  if (!side) return false;
+  for (const at::Tensor& t : reads) record_read(t, *side);
   t_replaced.push_back(cur);
-  c10::cuda::setCurrentCUDAStream(side);
+  c10::cuda::setCurrentCUDAStream(*side);
   return true;
 }
 
@@ -105,29 +119,21 @@ void side_exit() {
 }
 
 void capture_join() {
-  std::lock_guard<std::mutex> lock(side_mutex());
-  for (auto& [device, d] : sides()) {
-    if (!d.pending) continue;
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  each_pending([](DeviceSide& d, cudaStream_t cur) {
     if (capturing(cur)) {
       // a graph cannot wait on work outside it: finish the side work first
       C10_CUDA_CHECK(cudaStreamSynchronize(d.stream.stream()));
     } else {
       order(d.event, d.stream.stream(), cur);
     }
-  }
+  });
 }
 
 void capture_release() {
-  std::lock_guard<std::mutex> lock(side_mutex());
-  for (auto& [device, d] : sides()) {
-    if (!d.pending) continue;
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  each_pending([](DeviceSide& d, cudaStream_t cur) {
     if (!capturing(cur)) order(d.event, cur, d.stream.stream());
     d.pending = false;
-  }
+  });
 }
 
 }  // namespace lightning_cafin

@@ -1,9 +1,10 @@
 // Host/device boundary of the fused step: plain structs and two launchers.
 //
 // The op itself (argument checks, building the work list) lives in the g++-compiled
-// adafisher_step_op.cpp and only calls these; the .cu holds kernels and launchers and
-// throws nothing.  On the GPU machine's toolchain an exception thrown from
-// nvcc-compiled host code crashed the process instead of reaching Python.
+// adafisher_step_op.cpp, calls these and raises on the error they return; the .cu holds
+// kernels and launchers and throws nothing (as capture_launch.h).  On the GPU machine's
+// toolchain an exception thrown from nvcc-compiled host code crashed the process
+// instead of reaching Python.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 
 namespace lightning_cafin {
 
+// One parameter of the step (one slot of a launch's by-value list).
 struct StepItem {
   void* p;
   const void* g;
@@ -38,10 +40,14 @@ struct StepScalars {
   int has_wd;
 };
 
-void launch_adafisher_step(const StepItem* items, size_t n, at::ScalarType pdtype, at::ScalarType mdtype,
-                           const StepScalars& sc, const float* grad_scale, const float* found_inf,
-                           cudaStream_t stream);
+// Every launch's error is returned (the first one; no later launch is made), never thrown.
+// pdtype float32 / float16 / bfloat16; mdtype pdtype or float32.
+cudaError_t launch_adafisher_step(const StepItem* items, size_t n, at::ScalarType pdtype, at::ScalarType mdtype,
+                                  const StepScalars& sc, const float* grad_scale, const float* found_inf,
+                                  cudaStream_t stream);
 
-void launch_step_increments(float* const* steps, size_t n, const float* found_inf, cudaStream_t stream);
+// steps[i] += 1 on the device unless *found_inf is nonzero; must follow the step launches
+// on the same stream (their blocks read the counts).
+cudaError_t launch_step_increments(float* const* steps, size_t n, const float* found_inf, cudaStream_t stream);
 
 }  // namespace lightning_cafin

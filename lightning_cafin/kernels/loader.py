@@ -52,7 +52,10 @@ _SOURCES = (
     "bindings.cpp", "adafisher_step_op.cpp", "adafisher_step.cu", "capture_ops.cpp", "capture_stats.cu",
     "side_stream.cpp",
 )
-_HEADERS = ("adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h", "vector_io.cuh", "side_stream.h")
+_HEADERS = (
+    "adafisher_step.h", "step_launch.h", "capture_ops.h", "capture_launch.h", "vector_io.cuh", "side_stream.h",
+    "checks.h", "multi_tensor_launch.cuh", "dtype_dispatch.cuh",
+)
 
 # Plain -O3: never --use_fast_math (it replaces IEEE division, and the fused step
 # must round like the unfused reference).

@@ -395,6 +395,46 @@ def test_factor_update_many_layers_several_launches(ext, impl):
     assert_same_factors(caps, torch_caps)
 
 
+def test_factor_update_launch_splitting_is_bitwise_invisible(ext):
+    """The op over many layers (several launches) equals one call per layer bit for bit,
+    with every layer's NaN flag at its own index, also around the launch boundaries."""
+    per_launch = ext.FACTOR_MAX_LAYERS_PER_LAUNCH
+    L = per_launch * 2 + 3
+    nan_at = {0, per_launch - 1, per_launch, 2 * per_launch, L - 1}
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    layers = []
+    for i in range(L):
+        kind = 1 if i % 5 == 4 else 0
+        flags = (1 if kind == 0 and i % 3 == 0 else 0) | (2 if i % 7 == 0 else 0) | (4 if i % 2 == 0 else 0)
+        nh, ns = (int(torch.randint(1, 40, (1,), generator=gen)) for _ in range(2))
+        h = torch.rand(nh, generator=gen).add_(0.1)
+        s = torch.randn(ns, generator=gen)
+        if i in nan_at:
+            (h if i % 2 else s)[nh // 2 if i % 2 else ns // 2] = float("nan")
+        n_H = 2 if kind == 1 else nh + (flags & 1)
+        H, S = torch.rand(n_H, generator=gen).add_(0.5), torch.rand(ns, generator=gen).add_(0.5)
+        scalars = (float(i % 9 + 1), float(i % 4 + 2), 1024.0 if flags & 4 else 1.0, 0.5 + i % 3)
+        layers.append(([t.to(DEV) for t in (h, s, H, S)], kind, flags, scalars))
+
+    def run(group):
+        hs, ss, Hs, Ss = ([lay[0][j] for lay in group] for j in range(4))
+        columns = list(zip(*(lay[3] for lay in group)))
+        return ext.factor_update_(hs, ss, Hs, Ss, [lay[1] for lay in group], [lay[2] for lay in group],
+                                  *(list(c) for c in columns), 0.8, 0.2)
+
+    initial = [[t.clone() for t in lay[0]] for lay in layers]
+    together = [([t.clone() for t in lay[0]],) + lay[1:] for lay in layers]
+    flags_together = run(together)
+    flags_apart = torch.cat([run([lay]) for lay in layers])
+    assert flags_together.tolist() == flags_apart.tolist()
+    assert {i for i, f in enumerate(flags_together.tolist()) if f} == nan_at
+    for i, (a, b, first) in enumerate(zip(together, layers, initial)):
+        assert torch.equal(a[0][2], b[0][2]) and torch.equal(a[0][3], b[0][3]), f"layer {i}"
+        # NaN layers keep their factors; the others were updated
+        assert torch.equal(a[0][2], first[2]) == (i in nan_at), f"layer {i}"
+        assert torch.equal(a[0][3], first[3]) == (i in nan_at), f"layer {i}"
+
+
 def test_factor_update_shape_change_reinitialises(ext, impl):
     caps = make_captures(["lin_bias"])
     caps[0].H = torch.full((3,), 0.5, device=DEV)  # stale factors of another shape

@@ -274,6 +274,78 @@ def test_many_tensors_exceed_launch_capacity(ext, oracle):
     assert_problem_close(prob, ref, FP32_RTOL)
 
 
+def launch_boundary_zoo(ext) -> list[tuple[tuple, Optional[FactorView]]]:
+    """More tensors than one launch holds (and than one counter launch holds), tensors
+    whose chunks straddle a launch, a tensor with more chunks than a launch has blocks,
+    and empty tensors between them (skipped by the step launches, counted by the
+    increments)."""
+    gen = torch.Generator().manual_seed(11)
+    items: list[tuple[tuple, Optional[FactorView]]] = []
+    for i in range(ext.MAX_STEPS_PER_INCREMENT_LAUNCH + 20):
+        if i % 97 == 5:
+            items.append(((0,), None))
+            continue
+        rows = int(torch.randint(1, 30, (1,), generator=gen))
+        cols = int(torch.randint(1, 30, (1,), generator=gen))
+        view = None if i % 4 == 3 else FactorView(factors(rows), factors(cols + 1), 1, cols)
+        items.append(((rows, cols), view))
+        if i % 61 == 7:  # several chunks, rows crossing chunk boundaries
+            items.append(((5, 65536 + 3), FactorView(factors(5), factors(65536 + 3), 0, 65536 + 3)))
+    rows, cols = 2, (ext.MAX_BLOCKS_PER_LAUNCH // 2 + 1) * 65536 - 3
+    items.insert(40, ((rows, cols), FactorView(factors(rows), factors(cols), 0, cols)))
+    return items
+
+
+LAUNCH_DTYPES = [
+    pytest.param(torch.float32, None, id="fp32"),
+    pytest.param(torch.bfloat16, None, id="bf16-m-lowp"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-m-fp32"),
+    pytest.param(torch.float16, None, id="fp16-m-lowp"),
+    pytest.param(torch.float16, torch.float32, id="fp16-m-fp32"),
+]
+
+
+def step_op(ext, prob: Problem, lo: int, hi: int, decoupled: bool, **scalars) -> None:
+    """The extension op on tensors [lo, hi) of prob (lr 2^-10, exact in fp32)."""
+    views = prob.views[lo:hi]
+    ext.adafisher_step_(
+        prob.params[lo:hi], prob.grads[lo:hi], prob.exp_avgs[lo:hi], prob.steps[lo:hi],
+        [v.S if v else None for v in views], [v.H if v else None for v in views],
+        [v.col_offset if v else 0 for v in views], [v.ncols if v else 1 for v in views],
+        lr=2.0**-10, beta=BETA, Lambda=LAMBDA, weight_decay=0.05, decoupled=decoupled, **scalars,
+    )
+
+
+@pytest.mark.parametrize("dtype, momentum_dtype", LAUNCH_DTYPES)
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adafisher", "adafisherw"])
+def test_launch_splitting_is_bitwise_invisible(ext, dtype, momentum_dtype, decoupled):
+    """One call over every tensor (many launches, tensors continued across launches, the
+    lr and found_inf read on the device) equals one call per tensor (one launch each, a
+    float lr, no found_inf) bit for bit, in every dtype instantiation of the kernel."""
+    whole = make_problem(launch_boundary_zoo(ext), dtype=dtype, momentum_dtype=momentum_dtype)
+    assert len(whole.params) > ext.MAX_STEPS_PER_INCREMENT_LAUNCH
+    apart = whole.copy()
+    gs = torch.full((), 4.0, device=DEV)
+    for _ in range(2):
+        step_op(ext, whole, 0, len(whole.params), decoupled, grad_scale=gs,
+                found_inf=torch.zeros((), device=DEV), lr_tensor=torch.full((), 2.0**-10, device=DEV))
+        for i in range(len(apart.params)):
+            step_op(ext, apart, i, i + 1, decoupled, grad_scale=gs)
+    torch.cuda.synchronize()
+    for i, (x, y) in enumerate(zip(whole.tensors(), apart.tensors())):
+        assert torch.equal(x, y), f"tensor {i} of {len(whole.params)} params"
+
+
+def test_found_inf_skips_every_launch(ext):
+    """found_inf reaches every step launch and every counter launch of a long list."""
+    prob = make_problem(launch_boundary_zoo(ext), dtype=torch.bfloat16, momentum_dtype=torch.float32)
+    before = [t.clone() for t in prob.tensors()]
+    step_op(ext, prob, 0, len(prob.params), True, found_inf=torch.ones((), device=DEV))
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(prob.tensors(), before)):
+        assert torch.equal(a, b), f"tensor {i}"
+
+
 def test_empty_parameter_still_counts_its_step(ext):
     prob = make_problem([((0,), None), ((0, 4), None), ((5,), None)])
     fused().step(prob.batch(), hyper(False, 0.0))
@@ -320,6 +392,21 @@ def test_grad_scale_divides_gradients(ext, oracle):
     fused().step(prob.batch(), h, grad_scale=gs, found_inf=fi)
     oracle.step(ref.batch(), h)
     assert_problem_close(prob, ref, FP32_RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_scale_divides_low_precision_gradients(ext, oracle, dtype):
+    prob = make_problem(layer_zoo() + big_zoo(), dtype=dtype, momentum_dtype=torch.float32)
+    ref = prob.copy(dtype=torch.float32, momentum_dtype=torch.float32)
+    scale = 256.0  # a power of two: exact in every dtype here
+    prob.grads[:] = [g * scale for g in prob.grads]
+    h = hyper(False, 0.1)
+    fused(momentum_dtype=torch.float32).step(prob.batch(), h, grad_scale=torch.full((), scale, device=DEV))
+    oracle.step(ref.batch(), h)
+    for i, (p, q) in enumerate(zip(prob.params, ref.params)):
+        assert_close_scaled(p.float(), q, LOWP_RTOL[dtype], f"param {i}")
+    for i, (m, n) in enumerate(zip(prob.exp_avgs, ref.exp_avgs)):
+        assert_close_scaled(m, n, FP32_RTOL, f"exp_avg {i}")
 
 
 def test_found_inf_changes_nothing(ext):
