@@ -114,12 +114,8 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
         for v in state.values():
             add(v)
     if isinstance(opt, _AdaFisherBase):
-        for cap in opt._captures.values():
-            add(cap.S)
-            add(cap.H)
-        for backend in (opt._backend, opt._fallback):
-            for _, _, buf in getattr(backend, "_fisher", {}).values():
-                add(buf)
+        usage = opt.memory_usage()
+        total += usage["factors"] + usage["cached_fisher"]
     return total
 
 
@@ -189,11 +185,11 @@ def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn,
             if isinstance(opt, _AdaFisherBase) and not v.graph:
 
                 def capturing_fwd_bwd():
-                    opt._force_capture = True
+                    opt.capture_next_step()
                     fwd_bwd()
-                    opt._force_capture = False
+                    opt.capture_next_step(False)
                     capture_streams.join()  # as the step does: wait for the side-stream statistics
-                    opt._discard_pending()
+                    opt.binding.discard_pending()
                     capture_streams.release()
 
                 res.capture_ms = extra_ms(fwd_bwd, capturing_fwd_bwd, device, 2 * reps)
@@ -227,10 +223,11 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if isinstance(opt, _AdaFisherBase):
-                for cap in opt._captures.values():  # factors as after a capture: ~U(0.08, 0.088)
-                    cap.S = 0.08 + 0.008 * torch.rand(width, device=device)
-                    cap.H = 0.08 + 0.008 * torch.rand(width, device=device)
-                opt._global_step = 1  # not a capture step
+                # factors as after a capture: ~U(0.08, 0.088); the first step (a capture step
+                # where no layer fired) keeps them
+                opt.binding.load_state_dict({name: {"S": 0.08 + 0.008 * torch.rand(width, device=device),
+                                                    "H": 0.08 + 0.008 * torch.rand(width, device=device)}
+                                             for name in opt.binding.captures})
             opt.step()
             step = _graphed(opt, device) if v.graph else opt.step
             ms = median_ms(step, device, reps)

@@ -1,0 +1,169 @@
+"""Which backend steps which parameter, planned once and reused until something changes.
+
+The optimizer names one backend; the dispatcher decides per tensor whether that backend
+takes it or the fallback (``foreach``) does, and why, groups the tensors by backend,
+device and dtype once, creates their state through the optimizer, and keeps the plan,
+with what each backend derived from its batch (``StepBackend.prepare``), until the
+parameters with gradients, the factors, the state or the backend change.  Per step only
+the gradient lists are rebuilt.  This is the one plan cache of the step path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from .base import FactorView, StepBackend, StepBatch, StepHyper
+
+StateFor = Callable[[Tensor, StepBackend], tuple[Tensor, Tensor]]
+ViewFor = Callable[[Tensor], Optional[FactorView]]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A parameter the chosen backend does not take, and why."""
+
+    param: Tensor
+    reason: str
+
+
+@dataclass
+class PlannedBatch:
+    """Tensors of one param group stepped by one backend, on one device, in one dtype."""
+
+    backend: StepBackend
+    device: torch.device
+    dtype: torch.dtype
+    params: list[Tensor] = field(default_factory=list)
+    exp_avgs: list[Tensor] = field(default_factory=list)
+    steps: list[Tensor] = field(default_factory=list)
+    views: list[Optional[FactorView]] = field(default_factory=list)
+    prepared: Any = None
+
+    def batch(self, factors_version: int) -> StepBatch:
+        """The batch with this step's gradients."""
+        return StepBatch(self.params, [p.grad for p in self.params], self.exp_avgs, self.steps, self.views,
+                         factors_version)
+
+
+@dataclass
+class GroupPlan:
+    key: tuple
+    batches: list[PlannedBatch]
+    fallbacks: list[Fallback]
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether every batch honours ``found_inf`` on the device (the host need not read it)."""
+        return all(b.backend.skips_on_device for b in self.batches)
+
+
+def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype), in first-seen order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+class DeviceScalars:
+    """Float32 copies of the step's scalar tensors on each device that needs them.
+
+    The buffers are made once per (role, device) and refilled without blocking each
+    step, so a step on several devices allocates nothing after the first."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], Tensor] = {}
+
+    def on(self, role: str, t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+        if t is None or (t.device == device and t.dtype == torch.float32):
+            return t
+        buf = self._buffers.get((role, device))
+        if buf is None or buf.shape != t.shape:
+            buf = self._buffers[(role, device)] = torch.empty(t.shape, dtype=torch.float32, device=device)
+        buf.copy_(t, non_blocking=True)
+        return buf
+
+
+class StepDispatcher:
+    """The step path of one optimizer: the chosen backend, its fallback and the plans."""
+
+    def __init__(self, backend: StepBackend, fallback: StepBackend) -> None:
+        self.backend = backend
+        self.fallback = fallback
+        self.scalars = DeviceScalars()
+        self._plans: dict[int, GroupPlan] = {}
+        self._epoch = 0
+
+    def set_backend(self, backend: StepBackend) -> None:
+        self.backend = backend
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget the plans (the state, the groups, the binding or the backend changed)."""
+        self._epoch += 1
+        self._plans = {}
+
+    def route(self, p: Tensor) -> tuple[StepBackend, Optional[str]]:
+        """The backend that steps ``p``, and why it is not the chosen one (None when it is)."""
+        why = self.backend.unsupported_reason(p, p.grad)
+        return (self.backend, None) if why is None else (self.fallback, why)
+
+    def plan(self, group_id: int, params: list[Tensor], factors_version: int, state_for: StateFor,
+             view_for: ViewFor) -> GroupPlan:
+        """The group's plan for this step (cached while its key holds)."""
+        key = (self._epoch, factors_version, tuple(p.grad is not None for p in params))
+        cached = self._plans.get(group_id)
+        if cached is not None and cached.key == key:
+            return cached
+        plan = self._build(key, params, factors_version, state_for, view_for, cached)
+        self._plans[group_id] = plan
+        return plan
+
+    def _build(self, key: tuple, params: list[Tensor], factors_version: int, state_for: StateFor, view_for: ViewFor,
+               previous: Optional[GroupPlan]) -> GroupPlan:
+        batches: dict[tuple, PlannedBatch] = {}
+        fallbacks: list[Fallback] = []
+        for p in params:
+            if p.grad is None:
+                continue
+            backend, why = self.route(p)
+            if why is not None:
+                fallbacks.append(Fallback(p, why))
+            exp_avg, step = state_for(p, backend)
+            bkey = (id(backend), p.device, p.dtype)
+            batch = batches.get(bkey)
+            if batch is None:
+                batch = batches[bkey] = PlannedBatch(backend, p.device, p.dtype)
+            batch.params.append(p)
+            batch.exp_avgs.append(exp_avg)
+            batch.steps.append(step)
+            batch.views.append(view_for(p))
+        before = {} if previous is None else {(id(b.backend), b.device, b.dtype): b.prepared for b in previous.batches}
+        for bkey, batch in batches.items():
+            batch.prepared = batch.backend.prepare(batch.batch(factors_version), before.get(bkey))
+        return GroupPlan(key, list(batches.values()), fallbacks)
+
+    def run(self, plan: GroupPlan, hyper: StepHyper, factors_version: int, grad_scale: Optional[Tensor],
+            found_inf: Optional[Tensor]) -> None:
+        """Step every batch of the plan; ``found_inf`` only reaches backends that honour it on the device."""
+        for b in plan.batches:
+            if b.backend.skips_on_device:
+                lr = hyper.lr
+                local = hyper if not isinstance(lr, Tensor) else replace(hyper, lr=self.scalars.on("lr", lr, b.device))
+                b.backend.step(b.batch(factors_version), local, self.scalars.on("grad_scale", grad_scale, b.device),
+                               self.scalars.on("found_inf", found_inf, b.device), b.prepared)
+            else:
+                b.backend.step(b.batch(factors_version), hyper, grad_scale, None, b.prepared)
+
+    def cached_bytes(self) -> int:
+        """Bytes held by what the backends derived (foreach's materialised F)."""
+        total = 0
+        for plan in self._plans.values():
+            for b in plan.batches:
+                nbytes = getattr(b.prepared, "nbytes", None)
+                total += int(nbytes()) if callable(nbytes) else 0
+        return total
