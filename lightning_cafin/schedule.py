@@ -9,7 +9,7 @@ for them where they decide the answer, is the explicit :meth:`settle`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -19,14 +19,14 @@ from .skips import DeferredSkips
 class CaptureSchedule:
     """The step count, the forced-capture flag and the skipped steps of one optimizer."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, deferred: Optional[DeferredSkips] = None) -> None:
         self.every = int(every)
         #: steps taken; provisional by the skip flags still in flight
         self.steps_taken = 0
         #: steps a loss scaler skipped, as far as the host knows
         self.skipped = 0
         self._forced = False
-        self._deferred = DeferredSkips()
+        self._deferred = deferred if deferred is not None else DeferredSkips()
 
     # ------------------------------------------------------------------ queries
     @property

@@ -10,7 +10,9 @@ the gradient lists are rebuilt.  This is the one plan cache of the step path.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -67,6 +69,16 @@ def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.dev
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     return groups
+
+
+@lru_cache(maxsize=None)
+def takes_prepared(backend_type: type) -> bool:
+    """Whether a backend class's ``step`` accepts ``prepared`` (a subclass written against
+    the four-argument ``step`` is stepped without it, deriving what it needs each call)."""
+    try:
+        return "prepared" in inspect.signature(backend_type.step).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class DeviceScalars:
@@ -144,20 +156,24 @@ class StepDispatcher:
             batch.views.append(view_for(p))
         before = {} if previous is None else {(id(b.backend), b.device, b.dtype): b.prepared for b in previous.batches}
         for bkey, batch in batches.items():
-            batch.prepared = batch.backend.prepare(batch.batch(factors_version), before.get(bkey))
+            if takes_prepared(type(batch.backend)):
+                batch.prepared = batch.backend.prepare(batch.batch(factors_version), before.get(bkey))
         return GroupPlan(key, list(batches.values()), fallbacks)
 
     def run(self, plan: GroupPlan, hyper: StepHyper, factors_version: int, grad_scale: Optional[Tensor],
             found_inf: Optional[Tensor]) -> None:
         """Step every batch of the plan; ``found_inf`` only reaches backends that honour it on the device."""
         for b in plan.batches:
+            local, gs, fi = hyper, grad_scale, None
             if b.backend.skips_on_device:
-                lr = hyper.lr
-                local = hyper if not isinstance(lr, Tensor) else replace(hyper, lr=self.scalars.on("lr", lr, b.device))
-                b.backend.step(b.batch(factors_version), local, self.scalars.on("grad_scale", grad_scale, b.device),
-                               self.scalars.on("found_inf", found_inf, b.device), b.prepared)
+                if isinstance(hyper.lr, Tensor):
+                    local = replace(hyper, lr=self.scalars.on("lr", hyper.lr, b.device))
+                gs = self.scalars.on("grad_scale", grad_scale, b.device)
+                fi = self.scalars.on("found_inf", found_inf, b.device)
+            if b.prepared is None:
+                b.backend.step(b.batch(factors_version), local, gs, fi)
             else:
-                b.backend.step(b.batch(factors_version), hyper, grad_scale, None, b.prepared)
+                b.backend.step(b.batch(factors_version), local, gs, fi, prepared=b.prepared)
 
     def cached_bytes(self) -> int:
         """Bytes held by what the backends derived (foreach's materialised F)."""
