@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ._validation import check_hyperparameters, checked_param_group, reject_unknown_kwargs
-from .backends import BACKEND_NAMES, FactorView, StepBackend, StepHyper, make_backend
+from .backends import BACKEND_NAMES, StepBackend, StepHyper, make_backend
 from .backends.dispatch import GroupPlan, StepDispatcher
 from .backends.foreach import ForeachBackend
 from .backends.state import ensure_state
@@ -96,7 +96,7 @@ class _AdaFisherBase(Readout, Optimizer):
             self._paired()
 
     # ------------------------------------------------------------------ the step
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdaFisher update; on capture steps the factors are re-estimated first.
 
         ``closure`` (optional) re-evaluates the model with gradients enabled and returns

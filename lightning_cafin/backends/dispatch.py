@@ -47,8 +47,8 @@ class PlannedBatch:
 
     def batch(self, factors_version: int) -> StepBatch:
         """The batch with this step's gradients."""
-        return StepBatch(self.params, [p.grad for p in self.params], self.exp_avgs, self.steps, self.views,
-                         factors_version)
+        grads = [p.grad for p in self.params]  # every planned parameter has one (the plan's key says so)
+        return StepBatch(self.params, grads, self.exp_avgs, self.steps, self.views, factors_version)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -76,7 +76,8 @@ def takes_prepared(backend_type: type) -> bool:
     """Whether a backend class's ``step`` accepts ``prepared`` (a subclass written against
     the four-argument ``step`` is stepped without it, deriving what it needs each call)."""
     try:
-        return "prepared" in inspect.signature(backend_type.step).parameters
+        step: Callable[..., None] = backend_type.step  # type: ignore[attr-defined]
+        return "prepared" in inspect.signature(step).parameters
     except (TypeError, ValueError):
         return False
 
@@ -166,8 +167,9 @@ class StepDispatcher:
         for b in plan.batches:
             local, gs, fi = hyper, grad_scale, None
             if b.backend.skips_on_device:
-                if isinstance(hyper.lr, Tensor):
-                    local = replace(hyper, lr=self.scalars.on("lr", hyper.lr, b.device))
+                lr = self.scalars.on("lr", hyper.lr, b.device) if isinstance(hyper.lr, Tensor) else None
+                if lr is not None:
+                    local = replace(hyper, lr=lr)
                 gs = self.scalars.on("grad_scale", grad_scale, b.device)
                 fi = self.scalars.on("found_inf", found_inf, b.device)
             if b.prepared is None:

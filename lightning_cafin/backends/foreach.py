@@ -72,7 +72,7 @@ class ForeachBackend(StepBackend):
         self, batch: StepBatch, idx: list[int], hyper: StepHyper, scale: Optional[float], cache: FisherCache
     ) -> None:
         params = [batch.params[i] for i in idx]
-        grads = [batch.grads[i] for i in idx]
+        grads: list[Tensor] | tuple[Tensor, ...] = [batch.grads[i] for i in idx]
         exp_avgs = [batch.exp_avgs[i] for i in idx]
         steps = [batch.steps[i] for i in idx]
         beta, lr, wd = hyper.beta, float(hyper.lr), hyper.weight_decay
@@ -87,11 +87,11 @@ class ForeachBackend(StepBackend):
         torch._foreach_mul_(exp_avgs, beta)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta)
 
-        factored = [j for j, i in enumerate(idx) if batch.views[i] is not None]
-        plain = [j for j, i in enumerate(idx) if batch.views[i] is None]
-        fishers = [
-            cache.fisher(params[j], batch.views[idx[j]], hyper.Lambda, batch.factors_version) for j in factored
-        ]
+        views = [batch.views[i] for i in idx]
+        factored = [j for j, view in enumerate(views) if view is not None]
+        plain = [j for j, view in enumerate(views) if view is None]
+        fishers = [cache.fisher(params[j], view, hyper.Lambda, batch.factors_version)
+                   for j, view in enumerate(views) if view is not None]
 
         if hyper.decoupled:
             # p <- p - lr * (m / bc / F + wd * p)
