@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import StepBackend, StepBatch, StepHyper
+from .layout import flat, layout_reason, memory_columns, permuted_factor
 from .state import ensure_state
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,16 +36,12 @@ def unsupported_reason(param: Tensor, grad: Optional[Tensor] = None) -> Optional
         return f"it is on {param.device}, not a CUDA device"
     if param.dtype not in SUPPORTED_PARAM_DTYPES:
         return f"its dtype {param.dtype} is not float32, float16 or bfloat16"
-    if not param.is_contiguous():
-        return f"it is not contiguous (strides {tuple(param.stride())}, e.g. channels_last)"
     if grad is not None:
         if grad.device != param.device:
             return f"its gradient is on {grad.device}, the parameter on {param.device}"
         if grad.dtype != param.dtype:
             return f"its gradient has dtype {grad.dtype}, the parameter {param.dtype}"
-        if grad.is_sparse or not grad.is_contiguous():
-            return "its gradient is sparse or not contiguous"
-    return None
+    return layout_reason(param, grad)  # any dense layout with dim 0 outermost (layout.py)
 
 
 @dataclass
@@ -60,6 +57,8 @@ class KernelGroup:
     H: list[Optional[Tensor]] = field(default_factory=list)
     col_offsets: list[int] = field(default_factory=list)
     ncols: list[int] = field(default_factory=list)
+    #: entries whose gradient is passed as the flat view of its storage (not row-major contiguous)
+    flat_grad: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,15 +117,17 @@ class FusedBackend(StepBackend):
                 raise ValueError(f"FusedBackend: batch.{name} has {len(lst)} entries, batch.params has {n}")
         groups: dict[tuple, KernelGroup] = {}
         for i, (p, m, k, view) in enumerate(zip(batch.params, batch.exp_avgs, batch.steps, batch.views)):
-            _check_entry(i, p, m, k)
+            _check_entry(i, p, m, k, self.unsupported_reason(p))
             gkey = (p.device, p.dtype, m.dtype)
             group = groups.get(gkey)
             if group is None:
                 group = groups[gkey] = KernelGroup(p.device)
+            in_memory_order = not p.is_contiguous()  # a dense layout: walked flat, F through permuted columns
             group.index.append(i)
-            group.params.append(p)
-            group.exp_avgs.append(m)
+            group.params.append(flat(p) if in_memory_order else p)
+            group.exp_avgs.append(flat(m) if in_memory_order else m)
             group.steps.append(k)
+            group.flat_grad.append(in_memory_order)
             if view is None:
                 group.S.append(None)
                 group.H.append(None)
@@ -140,7 +141,10 @@ class FusedBackend(StepBackend):
                             f"{p.device}, got {f.dtype} shape {tuple(f.shape)} on {f.device}"
                         )
                 group.S.append(view.S)
-                group.H.append(view.H)
+                if in_memory_order:  # a copy, rebuilt with the plan whenever the factors change
+                    group.H.append(permuted_factor(view.H, int(view.col_offset), memory_columns(p)))
+                else:
+                    group.H.append(view.H)
                 group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
         return list(groups.values())
@@ -180,7 +184,7 @@ class FusedBackend(StepBackend):
     def _launch(self, group: KernelGroup, grads: list[Tensor], s: KernelScalars) -> None:
         self._ext.adafisher_step_(
             group.params,
-            [grads[i] for i in group.index],
+            [flat(grads[i]) if f else grads[i] for i, f in zip(group.index, group.flat_grad)],
             group.exp_avgs,
             group.steps,
             group.S,
@@ -198,16 +202,16 @@ class FusedBackend(StepBackend):
         )
 
 
-def _check_entry(i: int, p: Tensor, m: Tensor, k: Tensor) -> None:
-    why = unsupported_reason(p)
+def _check_entry(i: int, p: Tensor, m: Tensor, k: Tensor, why: Optional[str]) -> None:
     if why is not None:
         raise RuntimeError(
             f"FusedBackend cannot step parameter {i} (shape {tuple(p.shape)}): {why}; use the 'foreach' backend for it"
         )
-    if m.device != p.device or m.dtype not in (p.dtype, torch.float32) or not m.is_contiguous():
+    same_layout = m.is_contiguous() if p.is_contiguous() else tuple(m.stride()) == tuple(p.stride())
+    if m.device != p.device or m.dtype not in (p.dtype, torch.float32) or m.shape != p.shape or not same_layout:
         raise RuntimeError(
-            f"FusedBackend: exp_avg of parameter {i} must be a contiguous tensor on {p.device} in {p.dtype} or "
-            f"float32, got {m.dtype} on {m.device}"
+            f"FusedBackend: exp_avg of parameter {i} must be a tensor of the parameter's shape and strides (contiguous "
+            f"when it is) on {p.device} in {p.dtype} or float32, got {m.dtype} strides {tuple(m.stride())} on {m.device}"
         )
     if k.device != p.device or k.dtype != torch.float32 or k.numel() != 1:
         raise RuntimeError(
