@@ -94,6 +94,9 @@ class _OptimizerMonitor:
         if self._snapshot is None:
             return
         self._fused_mem.__exit__(None, None, None)
+        if found_inf is not None and found_inf.item() != 0:  # skipped on the device: nothing to compare
+            self._snapshot, self._fused_mem = None, None  # (a host read only on the shadow step, which waits anyway)
+            return
         if self._baseline is None:
             self._baseline = make_backend(self.cb.baseline_backend)
         base_timer = StepTimer(self.device)
