@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -67,6 +67,14 @@ class StepBatch:
     steps: list[Tensor]
     views: list[Optional[FactorView]]
     factors_version: int = 0
+
+
+def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype), in first-seen order (the one grouping helper)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
 
 
 class StepBackend(ABC):

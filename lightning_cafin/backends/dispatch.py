@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -61,14 +61,6 @@ class GroupPlan:
     def skips_on_device(self) -> bool:
         """Whether every batch honours ``found_inf`` on the device (the host need not read it)."""
         return all(b.backend.skips_on_device for b in self.batches)
-
-
-def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Positions of ``tensors`` grouped by (device, dtype), in first-seen order."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return groups
 
 
 @lru_cache(maxsize=None)

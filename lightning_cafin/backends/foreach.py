@@ -9,13 +9,12 @@ operations are the oracle's, in the oracle's order.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from .base import FactorView, StepBackend, StepBatch, StepHyper
+from .base import FactorView, StepBackend, StepBatch, StepHyper, group_by_device_and_dtype
 
 
 class FisherCache:
@@ -61,9 +60,7 @@ class ForeachBackend(StepBackend):
         if found_inf is not None and found_inf.item() != 0:
             return
         cache = prepared if isinstance(prepared, FisherCache) else FisherCache()
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(batch.params):
-            groups[(p.device, p.dtype)].append(i)
+        groups = group_by_device_and_dtype(batch.params)  # one group when the dispatcher made the batch
         scale = None if grad_scale is None else float(grad_scale.item())
         for idx in groups.values():
             self._step_group(batch, idx, hyper, scale, cache)

@@ -15,7 +15,8 @@ from torch import nn
 
 from lightning_cafin import AdaFisher
 from lightning_cafin.backends import ForeachBackend, ReferenceBackend, StepBackend
-from lightning_cafin.backends.dispatch import DeviceScalars, StepDispatcher, group_by_device_and_dtype
+from lightning_cafin.backends.base import group_by_device_and_dtype
+from lightning_cafin.backends.dispatch import DeviceScalars, StepDispatcher
 from lightning_cafin.backends.state import ensure_state
 
 
