@@ -78,3 +78,32 @@ def check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay) -> None:
         raise ValueError(f"TCov must be an integer >= 1 (factors are re-estimated every TCov steps), got {TCov!r}")
     if _number("weight_decay", weight_decay) < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def checked_param_group(owner: str, param_group: dict, defaults: dict) -> dict:
+    """A copy of ``param_group`` with its ``params`` as a list, validated against ``defaults``.
+
+    Rejects complex parameters and a per-group ``gamma`` / ``TCov`` (the factor schedule
+    is shared by all groups); a tensor ``lr`` inherited from the defaults is cloned, so
+    that each group owns the tensor a scheduler fills in place.
+    """
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)  # may be a generator
+    param_group = {**param_group, "params": params}
+    for p in params:
+        if isinstance(p, torch.Tensor) and torch.is_complex(p):
+            raise TypeError(
+                f"{owner} does not support complex parameters (got one of dtype {p.dtype}); "
+                "optimise torch.view_as_real(param) instead"
+            )
+    for key in ("gamma", "TCov"):
+        if key in param_group and param_group[key] != defaults[key]:
+            raise ValueError(
+                f"{key}={param_group[key]!r} in a param group differs from the optimizer's {key}="
+                f"{defaults[key]!r}: the factor schedule is shared by all groups; set {key} on the optimizer"
+            )
+    merged = {**defaults, **param_group}
+    check_hyperparameters(*(merged[k] for k in ("lr", "beta", "gamma", "Lambda", "TCov", "weight_decay")))
+    if isinstance(merged["lr"], torch.Tensor) and "lr" not in param_group:
+        param_group["lr"] = merged["lr"].clone()
+    return param_group

@@ -27,7 +27,7 @@ import json
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -70,7 +70,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """One call of fn, from an idle device to its completion."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -84,13 +84,13 @@ def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def median_ms(fn: Callable[[], None], device: torch.device, reps: int, warmup: int = 2) -> float:
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     return statistics.median(_time_ms(fn, device) for _ in range(reps))
 
 
-def extra_ms(base: Callable[[], None], more: Callable[[], None], device: torch.device, reps: int,
+def extra_ms(base: Callable[[], object], more: Callable[[], object], device: torch.device, reps: int,
              warmup: int = 2) -> float:
     """Median over interleaved pairs of (time of more - time of base).  Two medians taken
     one after the other drift apart with clocks and allocator state by more than a
@@ -114,12 +114,8 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
         for v in state.values():
             add(v)
     if isinstance(opt, _AdaFisherBase):
-        for cap in opt._captures.values():
-            add(cap.S)
-            add(cap.H)
-        for backend in (opt._backend, opt._fallback):
-            for _, _, buf in getattr(backend, "_fisher", {}).values():
-                add(buf)
+        usage = opt.memory_usage()
+        total += usage["factors"] + usage["cached_fisher"]
     return total
 
 
@@ -160,48 +156,51 @@ def bench_model(name: str, base: nn.Module, batch: Callable[[], tuple], loss_fn,
     results = []
     inputs, target = batch()
     for v in variants(opt_cls, device, lr, wd):
-        model = copy.deepcopy(base).to(device)
-        opt = v.make(model)
-        res = Result(name, v.name)
-
-        def fwd_bwd():
-            opt.zero_grad(set_to_none=False)
-            loss_fn(model(inputs), target).backward()
-
-        def train_step():
-            fwd_bwd()
-            opt.step()
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for _ in range(2):
-                train_step()  # step 0 is a capture step; after it none (TCov is huge)
-            _sync(device)
-            step = _graphed(opt, device) if v.graph else opt.step
-            res.step_ms = median_ms(step, device, reps)
-            with TemporaryMemory(device) as mem:
-                step()
-                _sync(device)
-            res.temp_mb = mem.bytes / 2**20
-            res.state_mb = state_bytes(opt) / 2**20
-            if not v.graph:
-                res.train_step_ms = median_ms(train_step, device, reps)
-            if isinstance(opt, _AdaFisherBase) and not v.graph:
-
-                def capturing_fwd_bwd():
-                    opt._force_capture = True
-                    fwd_bwd()
-                    opt._force_capture = False
-                    capture_streams.join()  # as the step does: wait for the side-stream statistics
-                    opt._discard_pending()
-                    capture_streams.release()
-
-                res.capture_ms = extra_ms(fwd_bwd, capturing_fwd_bwd, device, 2 * reps)
-        results.append(res)
-        del model, opt
+        results.append(_bench_variant(name, v, copy.deepcopy(base).to(device), inputs, target, loss_fn, device, reps))
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the variant's model and optimizer are gone with its frame
     return results
+
+
+def _bench_variant(name: str, v: Variant, model: nn.Module, inputs, target, loss_fn, device, reps) -> Result:
+    opt = v.make(model)
+    res = Result(name, v.name)
+
+    def fwd_bwd() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(inputs), target).backward()
+
+    def train_step() -> None:
+        fwd_bwd()
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            train_step()  # step 0 is a capture step; after it none (TCov is huge)
+        _sync(device)
+        step = _graphed(opt, device) if v.graph else opt.step
+        res.step_ms = median_ms(step, device, reps)
+        with TemporaryMemory(device) as mem:
+            step()
+            _sync(device)
+        res.temp_mb = mem.bytes / 2**20
+        res.state_mb = state_bytes(opt) / 2**20
+        if not v.graph:
+            res.train_step_ms = median_ms(train_step, device, reps)
+        if isinstance(opt, _AdaFisherBase) and not v.graph:
+            ada = opt
+
+            def capturing_fwd_bwd() -> None:
+                ada.capture_next_step()
+                fwd_bwd()
+                ada.capture_next_step(False)
+                capture_streams.join()  # as the step does: wait for the side-stream statistics
+                ada.binding.discard_pending()
+                capture_streams.release()
+
+            res.capture_ms = extra_ms(fwd_bwd, capturing_fwd_bwd, device, 2 * reps)
+    return res
 
 
 def copy_bandwidth(device: torch.device, numel: int, reps: int) -> float:
@@ -227,10 +226,11 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if isinstance(opt, _AdaFisherBase):
-                for cap in opt._captures.values():  # factors as after a capture: ~U(0.08, 0.088)
-                    cap.S = 0.08 + 0.008 * torch.rand(width, device=device)
-                    cap.H = 0.08 + 0.008 * torch.rand(width, device=device)
-                opt._global_step = 1  # not a capture step
+                # factors as after a capture: ~U(0.08, 0.088); the first step (a capture step
+                # where no layer fired) keeps them
+                opt.binding.load_state_dict({name: {"S": 0.08 + 0.008 * torch.rand(width, device=device),
+                                                    "H": 0.08 + 0.008 * torch.rand(width, device=device)}
+                                             for name in opt.binding.captures})
             opt.step()
             step = _graphed(opt, device) if v.graph else opt.step
             ms = median_ms(step, device, reps)
@@ -269,9 +269,10 @@ def ratios(results: list[Result]) -> dict:
         for best in (f"{fam}[fused+graph]", f"{fam}[fused]", f"{fam}[foreach]"):
             if best in rows:
                 r = rows[best]
+                ms, adam_ms, ref_ms = r.step_ms, adam.step_ms if adam else None, ref.step_ms if ref else None
                 out[wl] = {"variant": best,
-                           "step_vs_fused_adam": r.step_ms / adam.step_ms if adam else None,
-                           "speedup_vs_reference": ref.step_ms / r.step_ms if ref else None}
+                           "step_vs_fused_adam": ms / adam_ms if ms is not None and adam_ms else None,
+                           "speedup_vs_reference": ref_ms / ms if ms and ref_ms is not None else None}
                 break
     return out
 
@@ -317,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if "resnet18" in only:
         bs, width = (4, 8) if quick else (256, 64)
-        net = ResNet18(10, 3, width)
+        net: nn.Module = ResNet18(10, 3, width)
         batch = lambda: (torch.randn(bs, 3, 32, 32, device=device), torch.randint(0, 10, (bs,), device=device))
         print(f"== CIFAR ResNet-18 (width {width}, batch {bs}) on {device}", flush=True)
         results += bench_model(f"resnet18 b{bs}", net, batch, F.cross_entropy, AdaFisher, device, reps, 1e-3, 5e-4)
@@ -344,7 +345,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = ratios(results)
-    record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)), "results": [asdict(r) for r in results], "ratios": summary}
+    record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)),
+              "results": [asdict(r) for r in results], "ratios": summary}
     (out / "bench.json").write_text(json.dumps(record, indent=2))
     chart_note = plot(results, out / "bench.png")
     print(table(results))

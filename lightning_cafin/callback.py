@@ -36,7 +36,8 @@ from .monitor.memory import TemporaryMemory
 from .monitor.shadow import divergence, replay, take_snapshot
 from .monitor.tags import custom_scalars_layout, tag
 from .monitor.timing import StepTimer
-from .optimizer import _AdaFisherBase, offer_model, withdraw_model
+from .model_offers import offer_model, withdraw_model
+from .optimizer import _AdaFisherBase
 
 _ON_DIVERGENCE = ("warn", "raise", "fallback")
 
@@ -74,12 +75,12 @@ class _OptimizerMonitor:
     # called by the callback
     def batch_start(self) -> None:
         if not self._span_open:
-            self.span_is_capture.append(self.opt._is_capture_step())
+            self.span_is_capture.append(self.opt.capture_due)
             self.span.start()
             self._span_open = True
 
     # StepObserver protocol
-    def before_update(self, opt: _AdaFisherBase) -> None:
+    def before_update(self, opt: _AdaFisherBase, found_inf: Optional[torch.Tensor] = None) -> None:
         if self._span_open:
             self.span.stop()
             self._span_open = False
@@ -88,11 +89,14 @@ class _OptimizerMonitor:
             self._fused_mem = TemporaryMemory(self.device).__enter__()
         self.timer.start()
 
-    def after_update(self, opt: _AdaFisherBase) -> None:
+    def after_update(self, opt: _AdaFisherBase, found_inf: Optional[torch.Tensor] = None) -> None:
         self.timer.stop()
         if self._snapshot is None:
             return
         self._fused_mem.__exit__(None, None, None)
+        if found_inf is not None and found_inf.item() != 0:  # skipped on the device: nothing to compare
+            self._snapshot, self._fused_mem = None, None  # (a host read only on the shadow step, which waits anyway)
+            return
         if self._baseline is None:
             self._baseline = make_backend(self.cb.baseline_backend)
         base_timer = StepTimer(self.device)

@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--dtype", default="float32", help="autocast dtype for the forward (float32: none)")
-    ap.add_argument("--impl", default=None, help="capture implementation (if the package offers a switch)")
+    ap.add_argument("--impl", default=None, choices=["auto", "kernels", "torch"],
+                    help="the optimizer's capture= option (default: the process default)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,9 +78,6 @@ def main():
         lines.append(s)
 
     if args.impl is not None:
-        from lightning_cafin.capture import kernels as ck
-
-        ck.set_impl(args.impl)
         say(f"capture impl: {args.impl}")
     dev = DEV
     torch.manual_seed(0)
@@ -90,7 +88,7 @@ def main():
     if args.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
-    opt = AdaFisher(model, lr=1e-3, weight_decay=5e-4, TCov=10**9, backend="foreach")
+    opt = AdaFisher(model, lr=1e-3, weight_decay=5e-4, TCov=10**9, backend="foreach", capture=args.impl)
     amp = None if args.dtype == "float32" else getattr(torch, args.dtype)
 
     def fwd_bwd():
@@ -100,11 +98,11 @@ def main():
         loss.backward()
 
     def capturing():
-        opt._force_capture = True
+        opt.capture_next_step()
         fwd_bwd()
-        opt._force_capture = False
+        opt.capture_next_step(False)
         capture_streams.join()  # as the step does: wait for the side-stream statistics
-        opt._discard_pending()
+        opt.binding.discard_pending()
         capture_streams.release()
 
     with warnings.catch_warnings():
@@ -112,7 +110,7 @@ def main():
         for _ in range(2):
             fwd_bwd()
             opt.step()
-    caps = list(opt._captures.values())
+    caps = list(opt.binding.captures.values())
 
     # record the shapes each rule sees
     seen = {}
@@ -160,9 +158,9 @@ def main():
     capture_streams.set_enabled(was)
 
     def one_capture_update():
-        opt._force_capture = True
+        opt.capture_next_step()
         fwd_bwd()
-        opt._force_capture = False
+        opt.capture_next_step(False)
         factors_mod.update_factors(caps, 0.8, None)
 
     with_factors = median_ms(one_capture_update, args.reps)

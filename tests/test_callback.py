@@ -110,7 +110,7 @@ def test_injected_fault_is_seen_warned_raised_or_fallen_back(tmp_path):
 
         def faulty_opt(self):
             opt = orig(self)
-            opt._backend = Faulty()
+            opt.set_backend(Faulty())
             return opt
 
         model.configure_optimizers = faulty_opt.__get__(model)
@@ -196,7 +196,7 @@ def test_several_optimizers_are_bound_and_logged_apart(tmp_path):
     t.fit(model, loader())
     a, b = t.optimizers
     # unbound at teardown; the factors each one learnt are kept by layer name
-    assert set(a._saved_factors) == {"net.0", "net.1", "net.4", "net.5"} and set(b._saved_factors) == {"net.6"}
+    assert set(a.factors()) == {"net.0", "net.1", "net.4", "net.5"} and set(b.factors()) == {"net.6"}
     assert a.health["capture_steps"] == b.health["capture_steps"] == 1
     scalars, _ = read_scalars(tmp_path)
     for suffix in ("/opt0", "/opt1"):

@@ -36,8 +36,8 @@ def test_fused_step_under_16_mixed_skips_overflow_and_matches_the_oracle(tmp_pat
     opt = t.optimizers[0]
     assert opt.backend == "fused"
     assert opt.health["skipped_steps"] >= 1
-    for f in opt._saved_factors.values():
-        assert torch.isfinite(f["S"]).all() and torch.isfinite(f["H"]).all()
+    for f in opt.factors().values():
+        assert torch.isfinite(f.S).all() and torch.isfinite(f.H).all()
     scalars, _ = read_scalars(tmp_path)
     assert max(scalars["cafin/divergence_rel"]) < 1e-5
     assert scalars["cafin/memory_saved_mb"][-1] > 0

@@ -60,7 +60,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     first = NoBN()
     t = make_trainer(tmp_path / "b", max_epochs=1)
     t.fit(first, data())  # 12 steps: mid-TCov
-    assert t.optimizers[0]._global_step == 12
+    assert t.optimizers[0].schedule.steps_taken == 12
     ckpt = tmp_path / "mid.ckpt"
     t.save_checkpoint(ckpt)
     assert "cafin" in torch.load(ckpt, weights_only=False)["optimizer_states"][0]
@@ -68,7 +68,7 @@ def test_checkpoint_resume_equals_uninterrupted(tmp_path):
     resumed = NoBN()
     t2 = make_trainer(tmp_path / "c", max_epochs=2)
     t2.fit(resumed, data(), ckpt_path=ckpt)
-    assert t2.optimizers[0]._global_step == 24
+    assert t2.optimizers[0].schedule.steps_taken == 24
     for a, b in zip(params(resumed), params(whole)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -79,7 +79,7 @@ def test_accumulated_batches_equal_one_big_batch(tmp_path):
     ts.fit(small, data(batch=4))
     tb = make_trainer(tmp_path / "b", max_steps=6)
     tb.fit(big, data(batch=16))
-    assert ts.optimizers[0]._global_step == tb.optimizers[0]._global_step == 6
+    assert ts.optimizers[0].schedule.steps_taken == tb.optimizers[0].schedule.steps_taken == 6
     assert ts.optimizers[0].health["capture_steps"] == 3
     for a, b in zip(params(small), params(big)):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)
@@ -91,8 +91,8 @@ def test_bf16_mixed_on_cpu(tmp_path):
     t.fit(model, data())
     opt = t.optimizers[0]
     assert opt.health["capture_steps"] == 4 and opt.health["modules_not_fired"] == []
-    for cap in opt._saved_factors.values():  # unbound at teardown: factors kept
-        assert cap["S"].dtype == torch.float32 and torch.isfinite(cap["S"]).all() and torch.isfinite(cap["H"]).all()
+    for f in opt.factors().values():  # unbound at teardown: factors kept
+        assert f.S.dtype == torch.float32 and torch.isfinite(f.S).all() and torch.isfinite(f.H).all()
 
 
 class Sharded(NoBN):

@@ -38,7 +38,7 @@ def _assert_bound_and_captured(opt, model):
     """
     layers = {n for n, m in model.named_modules() if rule_for(m) is not None}
     assert not opt.is_bound, "released at teardown"
-    assert set(opt._saved_factors) == layers
+    assert set(opt.factors()) == layers
 
 
 def _cafin_callbacks(trainer):

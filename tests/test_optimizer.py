@@ -62,8 +62,8 @@ def test_first_capture_step_equals_the_oracle(opt_cls):
             continue
         H_raw, S_raw = spec.raw_stats(module, seen[name]["x"], seen[name]["s"])
         S, H = spec.average(None, S_raw, gamma), spec.average(None, H_raw, gamma)
-        torch.testing.assert_close(opt._captures[name].S, S, rtol=1e-14, atol=0)
-        torch.testing.assert_close(opt._captures[name].H, H, rtol=1e-14, atol=0)
+        torch.testing.assert_close(opt.binding.captures[name].S, S, rtol=1e-14, atol=0)
+        torch.testing.assert_close(opt.binding.captures[name].H, H, rtol=1e-14, atol=0)
         full = spec.fisher(S, H, lam)
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             k = module.weight[0].numel()
@@ -117,14 +117,10 @@ def test_tied_weights_and_groups_update_each_parameter_once():
     for group in opt.param_groups:
         for p in group["params"]:
             assert opt.state[p]["step"].item() == 3
-    owner = {opt._name(p): cap.name for p_id, (cap, _) in opt._slots.items() for p in [_param(opt, p_id)]}
+    owner = {opt.param_name(p): opt.binding.layer_of(p) for g in opt.param_groups for p in g["params"] if opt.binding.preconditioned(p)}
     assert owner == {"embed.weight": "head", "mix.weight": "mix", "mix.bias": "mix", "extra.weight": "extra", "extra.bias": "extra"}
-    assert opt._captures["head"].S.shape == (10,) and opt._captures["head"].H.shape == (4,)
+    assert opt.binding.captures["head"].S.shape == (10,) and opt.binding.captures["head"].H.shape == (4,)
     assert "free" in opt.summary() and "1 tensors" in opt.summary()
-
-
-def _param(opt, pid):
-    return next(p for g in opt.param_groups for p in g["params"] if id(p) == pid)
 
 
 class Block(nn.Module):
@@ -170,8 +166,8 @@ def test_inplace_resnet_trains_like_its_out_of_place_twin():
     (a, oa), (b, ob) = runs
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-12, atol=1e-14)
-    for name in ob._captures:
-        torch.testing.assert_close(oa._captures[name].S, ob._captures[name].S, rtol=1e-12, atol=0)
+    for name in ob.binding.captures:
+        torch.testing.assert_close(oa.binding.captures[name].S, ob.binding.captures[name].S, rtol=1e-12, atol=0)
 
 
 def test_hooks_are_never_duplicated():
@@ -186,7 +182,7 @@ def test_hooks_are_never_duplicated():
     assert all(hook_count(m) == 1 for m in supported)
     loss_of(model, every_layer_batch()).backward()
     second.step()
-    assert second.health["modules_not_fired"] == [] and all(c.S is not None for c in second._captures.values())
+    assert second.health["modules_not_fired"] == [] and all(c.S is not None for c in second.binding.captures.values())
     second.unbind()
     assert all(hook_count(m) == 0 for m in supported)
 
@@ -194,7 +190,7 @@ def test_hooks_are_never_duplicated():
 def test_hooks_capture_only_training_forwards_that_get_a_backward():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     opt = AdaFisher(model)
-    cap = opt._captures["0"]
+    cap = opt.binding.captures["0"]
     model(torch.randn(2, 3))  # no backward: not committed
     with torch.no_grad():
         model(torch.randn(2, 3))
@@ -240,13 +236,13 @@ def test_checkpoint_resume_equals_uninterrupted(opt_cls, bind_first):
     else:
         ropt.load_state_dict(ckpt["opt"])  # factors wait for their modules
         ropt.bind(resumed)
-    assert ropt.is_bound and set(ropt._captures) == set(opt._captures)
+    assert ropt.is_bound and set(ropt.binding.captures) == set(opt.binding.captures)
     run_steps(resumed, ropt, 12, seed=2)
     for a, b in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(a, b)
-    for name, cap in opt._captures.items():
-        assert torch.equal(ropt._captures[name].S, cap.S) and torch.equal(ropt._captures[name].H, cap.H)
-    assert ropt._global_step == opt._global_step == 25
+    for name, cap in opt.binding.captures.items():
+        assert torch.equal(ropt.binding.captures[name].S, cap.S) and torch.equal(ropt.binding.captures[name].H, cap.H)
+    assert ropt.schedule.steps_taken == opt.schedule.steps_taken == 25
     # the caller's dict is untouched by loading and by the steps after it
     flat = lambda d: [t for t in _tensors(d)]
     assert all(torch.equal(a, b) for a, b in zip(flat(ckpt["opt"]), flat(snapshot)))
@@ -272,9 +268,9 @@ def test_checkpoint_without_factors_rewarms_with_a_warning():
     fresh = AdaFisher(model, TCov=50)
     with pytest.warns(UserWarning, match="no AdaFisher factors"):
         fresh.load_state_dict(sd)
-    assert fresh.is_bound and len(fresh._captures) == len(opt._captures) == 8
+    assert fresh.is_bound and len(fresh.binding.captures) == len(opt.binding.captures) == 8
     run_steps(model, fresh, 1, seed=2)
-    assert fresh.health["capture_steps"] == 1 and all(c.S is not None for c in fresh._captures.values())
+    assert fresh.health["capture_steps"] == 1 and all(c.S is not None for c in fresh.binding.captures.values())
 
 
 def plain_net():
@@ -293,10 +289,10 @@ def test_accumulated_micro_batches_equal_one_big_batch():
     for i in range(4):
         (F.mse_loss(small(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]) / 4).backward()
     os_.step()
-    assert os_._captures["0"].pending.calls == 0
-    for name, cap in ob._captures.items():
-        torch.testing.assert_close(os_._captures[name].S, cap.S, rtol=2e-5, atol=1e-7)
-        torch.testing.assert_close(os_._captures[name].H, cap.H, rtol=2e-5, atol=1e-7)
+    assert os_.binding.captures["0"].pending.calls == 0
+    for name, cap in ob.binding.captures.items():
+        torch.testing.assert_close(os_.binding.captures[name].S, cap.S, rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(os_.binding.captures[name].H, cap.H, rtol=2e-5, atol=1e-7)
     for a, b in zip(small.parameters(), big.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -334,8 +330,8 @@ def test_found_inf_step_changes_nothing():
     del opt.found_inf, opt.grad_scale
     after = (model.state_dict(), opt.state_dict())
     assert all(torch.equal(x, y) for x, y in zip(_tensors(after), _tensors(before)))
-    assert opt._global_step == 1 and opt.health["skipped_steps"] == 1
-    assert all(c.pending.calls == 0 for c in opt._captures.values())
+    assert opt.schedule.steps_taken == 1 and opt.health["skipped_steps"] == 1
+    assert all(c.pending.calls == 0 for c in opt.binding.captures.values())
 
 
 def test_grad_scaler_run_equals_unscaled_run():
@@ -355,8 +351,8 @@ def test_grad_scaler_run_equals_unscaled_run():
     (a, oa), (b, ob) = runs
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pb, pa, rtol=1e-10, atol=1e-12)
-    for name, cap in oa._captures.items():
-        torch.testing.assert_close(ob._captures[name].S, cap.S, rtol=1e-10, atol=0)
+    for name, cap in oa.binding.captures.items():
+        torch.testing.assert_close(ob.binding.captures[name].S, cap.S, rtol=1e-10, atol=0)
 
 
 def test_bf16_autocast_keeps_float32_statistics():
@@ -366,7 +362,7 @@ def test_bf16_autocast_keeps_float32_statistics():
         out = model(torch.randn(4, 2, 6, 6))
     F.mse_loss(out.float(), torch.randn(4, 24, 3)).backward()
     opt.step()
-    for cap in opt._captures.values():
+    for cap in opt.binding.captures.values():
         assert cap.S.dtype == cap.H.dtype == torch.float32
         assert torch.isfinite(cap.S).all() and torch.isfinite(cap.H).all()
 
@@ -377,18 +373,18 @@ def test_nan_statistics_never_enter_the_factors():
     run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
     run()
     opt.step()
-    kept = opt._captures["4"].S.clone()
+    kept = opt.binding.captures["4"].S.clone()
     opt.zero_grad()
     run()
-    opt._captures["4"].pending.s[0] = float("nan")
+    opt.binding.captures["4"].pending.s[0] = float("nan")
     with pytest.warns(UserWarning, match="non-finite statistics for '4'"):
         opt.step()
-    assert torch.equal(opt._captures["4"].S, kept)
+    assert torch.equal(opt.binding.captures["4"].S, kept)
     assert opt.health["non_finite_statistics"] == 1
 
 
 def test_unbound_optimizer_binds_to_an_offered_model_and_captures_next_step():
-    from lightning_cafin.optimizer import offer_model, withdraw_model
+    from lightning_cafin.model_offers import offer_model, withdraw_model
 
     model = plain_net()
     offer_model(model)
@@ -397,11 +393,11 @@ def test_unbound_optimizer_binds_to_an_offered_model_and_captures_next_step():
         run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
         run()
         opt.step()  # binds now; its hooks missed this forward, so the next step captures
-        assert opt.is_bound and all(c.S is None for c in opt._captures.values())
+        assert opt.is_bound and all(c.S is None for c in opt.binding.captures.values())
         opt.zero_grad()
         run()
         opt.step()
-        assert opt.health["capture_steps"] == 1 and all(c.S is not None for c in opt._captures.values())
+        assert opt.health["capture_steps"] == 1 and all(c.S is not None for c in opt.binding.captures.values())
     finally:
         withdraw_model(model)
     assert not opt.is_bound and all(hook_count(m) == 0 for m in model.modules())

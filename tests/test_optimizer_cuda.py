@@ -59,7 +59,7 @@ def test_checkpoint_loads_onto_another_device(direction):
     other.load_state_dict(ckpt["model"])
     oopt = AdaFisher(other, TCov=4, backend="foreach")
     oopt.load_state_dict(ckpt["opt"])
-    for cap in oopt._captures.values():
+    for cap in oopt.binding.captures.values():
         assert cap.S.device.type == dst and cap.H.device.type == dst
     run(other, oopt, 5, 2, dst)
     for a, b in zip(other.parameters(), model.parameters()):
@@ -142,11 +142,11 @@ def test_deferred_found_inf_equals_host_read_found_inf(fused_ok):
     model_h, opt_h = _scaled_run("cpu", [])
     for a, b in zip(model_d.parameters(), model_h.parameters()):
         assert torch.equal(a, b)
-    for name, cap in opt_h._captures.items():
-        assert torch.equal(opt_d._captures[name].S, cap.S), name
-        assert torch.equal(opt_d._captures[name].H, cap.H), name
+    for name, cap in opt_h.binding.captures.items():
+        assert torch.equal(opt_d.binding.captures[name].S, cap.S), name
+        assert torch.equal(opt_d.binding.captures[name].H, cap.H), name
     assert opt_d.health["skipped_steps"] == opt_h.health["skipped_steps"] == len(SKIPPED_AT)
-    assert opt_d._global_step == opt_h._global_step == 12 - len(SKIPPED_AT)
+    assert opt_d.schedule.steps_taken == opt_h.schedule.steps_taken == 12 - len(SKIPPED_AT)
     for p in model_d.parameters():
         if p.requires_grad:  # the frozen layer has no state
             assert opt_d.state[p]["step"].item() == 12 - len(SKIPPED_AT)

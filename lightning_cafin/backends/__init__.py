@@ -1,4 +1,8 @@
-"""Step backends, chosen by name: ``reference`` (the oracle), ``foreach``, ``fused``, or ``auto``."""
+"""Step backends, chosen by name: ``reference`` (the oracle), ``foreach``, ``fused``, or ``auto``.
+
+Each backend applies the update to a typed batch (``StepBatch``); which backend takes
+which tensor, the plans and the per-device scalars are the dispatcher's
+(``dispatch.py``); the optimizer creates the state (``state.py``)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -67,21 +67,36 @@ class StepBatch:
     steps: list[Tensor]
     views: list[Optional[FactorView]]
     factors_version: int = 0
-    #: set by the optimizer when everything but ``grads`` is the same as in an earlier
-    #: batch with the same key (a backend may then reuse what it derived from it)
-    plan_key: Optional[tuple] = None
+
+
+def group_by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype), in first-seen order (the one grouping helper)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
 
 
 class StepBackend(ABC):
-    """One way of applying the update.  Subclasses are stateless apart from caches."""
+    """One way of applying the update.  Backends hold no optimizer state: the optimizer
+    creates it (``backends.state``), the dispatcher keeps what a backend derives from a
+    batch (``prepare``) for as long as the batch stays the same."""
 
     name: str = "abstract"
+    #: the step count must live on the parameter's device (the kernel increments it there)
+    device_step: bool = False
+    #: a nonzero ``found_inf`` is honoured on the device: the host need not read it first
+    skips_on_device: bool = False
 
-    def init_state(self, param: Tensor, state: dict) -> None:
-        """Create the per-parameter state on first use (momentum and step count)."""
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    def unsupported_reason(self, param: Tensor, grad: Optional[Tensor] = None) -> Optional[str]:
+        """``None`` when this backend can update ``param`` (with ``grad``), else why not."""
+        return None
+
+    def prepare(self, batch: StepBatch, previous: Any = None) -> Any:
+        """What the backend derives from ``batch`` apart from its gradients, kept by the
+        dispatcher and handed back to :meth:`step` while the batch stays the same;
+        ``previous`` is what it derived for the same tensors before (buffers to reuse)."""
+        return None
 
     @abstractmethod
     def step(
@@ -90,10 +105,12 @@ class StepBackend(ABC):
         hyper: StepHyper,
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
+        prepared: Any = None,
     ) -> None:
         """Apply one update in place.
 
         ``grad_scale``: the gradients are multiplied by it (a loss scaler that did not
         unscale them); the update uses ``grad / grad_scale``.  ``found_inf``: when it is
-        nonzero the step changes nothing at all, step counts included.
+        nonzero the step changes nothing at all, step counts included.  ``prepared``:
+        what :meth:`prepare` returned for this batch (``None``: derive it now).
         """

@@ -9,24 +9,24 @@ operations are the oracle's, in the oracle's order.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from .base import FactorView, StepBackend, StepBatch, StepHyper
+from .base import FactorView, StepBackend, StepBatch, StepHyper, group_by_device_and_dtype
 
 
-class ForeachBackend(StepBackend):
-    name = "foreach"
+class FisherCache:
+    """Each factored parameter's materialised ``F``, rebuilt in place when the factors or
+    ``Lambda`` change (kept by the dispatcher with the batch, see ``prepare``)."""
 
-    def __init__(self) -> None:
-        # id(param) -> (factors_version, Lambda, F)
-        self._fisher: dict[int, tuple[int, float, Tensor]] = {}
+    def __init__(self, previous: Optional["FisherCache"] = None) -> None:
+        # id(param) -> (factors_version, Lambda, F); the parameter is kept so its id stays its own
+        self._entries: dict[int, tuple[int, float, Tensor, Tensor]] = dict(previous._entries) if previous else {}
 
-    def _cached_fisher(self, p: Tensor, view: FactorView, Lambda: float, version: int) -> Tensor:
-        entry = self._fisher.get(id(p))
+    def fisher(self, p: Tensor, view: FactorView, Lambda: float, version: int) -> Tensor:
+        entry = self._entries.get(id(p))
         if entry is not None and entry[0] == version and entry[1] == Lambda and entry[2].shape == p.shape:
             return entry[2]
         buf = entry[2] if entry is not None and entry[2].shape == p.shape and entry[2].dtype == p.dtype else None
@@ -35,8 +35,18 @@ class ForeachBackend(StepBackend):
         cols = view.H[view.col_offset : view.col_offset + view.ncols]
         torch.mul(view.S[:, None], cols[None, :], out=buf.view(view.S.shape[0], view.ncols))
         buf.add_(Lambda)
-        self._fisher[id(p)] = (version, Lambda, buf)
+        self._entries[id(p)] = (version, Lambda, buf, p)
         return buf
+
+    def nbytes(self) -> int:
+        return sum(e[2].numel() * e[2].element_size() for e in self._entries.values())
+
+
+class ForeachBackend(StepBackend):
+    name = "foreach"
+
+    def prepare(self, batch: StepBatch, previous: Any = None) -> FisherCache:
+        return FisherCache(previous if isinstance(previous, FisherCache) else None)
 
     @torch.no_grad()
     def step(
@@ -45,19 +55,21 @@ class ForeachBackend(StepBackend):
         hyper: StepHyper,
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
+        prepared: Any = None,
     ) -> None:
         if found_inf is not None and found_inf.item() != 0:
             return
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(batch.params):
-            groups[(p.device, p.dtype)].append(i)
+        cache = prepared if isinstance(prepared, FisherCache) else FisherCache()
+        groups = group_by_device_and_dtype(batch.params)  # one group when the dispatcher made the batch
         scale = None if grad_scale is None else float(grad_scale.item())
         for idx in groups.values():
-            self._step_group(batch, idx, hyper, scale)
+            self._step_group(batch, idx, hyper, scale, cache)
 
-    def _step_group(self, batch: StepBatch, idx: list[int], hyper: StepHyper, scale: Optional[float]) -> None:
+    def _step_group(
+        self, batch: StepBatch, idx: list[int], hyper: StepHyper, scale: Optional[float], cache: FisherCache
+    ) -> None:
         params = [batch.params[i] for i in idx]
-        grads = [batch.grads[i] for i in idx]
+        grads: list[Tensor] | tuple[Tensor, ...] = [batch.grads[i] for i in idx]
         exp_avgs = [batch.exp_avgs[i] for i in idx]
         steps = [batch.steps[i] for i in idx]
         beta, lr, wd = hyper.beta, float(hyper.lr), hyper.weight_decay
@@ -72,11 +84,11 @@ class ForeachBackend(StepBackend):
         torch._foreach_mul_(exp_avgs, beta)
         torch._foreach_add_(exp_avgs, grads, alpha=1 - beta)
 
-        factored = [j for j, i in enumerate(idx) if batch.views[i] is not None]
-        plain = [j for j, i in enumerate(idx) if batch.views[i] is None]
-        fishers = [
-            self._cached_fisher(params[j], batch.views[idx[j]], hyper.Lambda, batch.factors_version) for j in factored
-        ]
+        views = [batch.views[i] for i in idx]
+        factored = [j for j, view in enumerate(views) if view is not None]
+        plain = [j for j, view in enumerate(views) if view is None]
+        fishers = [cache.fisher(params[j], view, hyper.Lambda, batch.factors_version)
+                   for j, view in enumerate(views) if view is not None]
 
         if hyper.decoupled:
             # p <- p - lr * (m / bc / F + wd * p)

@@ -10,23 +10,24 @@ allocates nothing and never synchronises with the host, so it can be captured in
 CUDA graph.
 
 What depends only on the parameters, their state and the factor views (grouping,
-factor lists, validation) is cached, keyed on ``batch.factors_version`` and the
-identities of the tensors; per step only the gradient lists are rebuilt.
+factor lists, validation) is derived once by :meth:`FusedBackend.prepare` and kept by
+the dispatcher while the batch stays the same; per step only the gradient lists are
+rebuilt.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from .base import StepBackend, StepBatch, StepHyper
+from .layout import flat, layout_reason, memory_columns, permuted_factor
+from .state import ensure_state
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-_CACHE_ENTRIES = 8
 
 
 def unsupported_reason(param: Tensor, grad: Optional[Tensor] = None) -> Optional[str]:
@@ -35,33 +36,50 @@ def unsupported_reason(param: Tensor, grad: Optional[Tensor] = None) -> Optional
         return f"it is on {param.device}, not a CUDA device"
     if param.dtype not in SUPPORTED_PARAM_DTYPES:
         return f"its dtype {param.dtype} is not float32, float16 or bfloat16"
-    if not param.is_contiguous():
-        return f"it is not contiguous (strides {tuple(param.stride())}, e.g. channels_last)"
     if grad is not None:
         if grad.device != param.device:
             return f"its gradient is on {grad.device}, the parameter on {param.device}"
         if grad.dtype != param.dtype:
             return f"its gradient has dtype {grad.dtype}, the parameter {param.dtype}"
-        if grad.is_sparse or not grad.is_contiguous():
-            return "its gradient is sparse or not contiguous"
-    return None
+    return layout_reason(param, grad)  # any dense layout with dim 0 outermost (layout.py)
 
 
-class _Group:
-    """The cached, gradient-independent part of one (device, dtype, momentum dtype) call."""
+@dataclass
+class KernelGroup:
+    """The gradient-independent arguments of one launch: one (device, dtype, momentum dtype)."""
 
-    __slots__ = ("device", "index", "params", "exp_avgs", "steps", "S", "H", "col_offsets", "ncols")
+    device: torch.device
+    index: list[int] = field(default_factory=list)  # positions in the batch
+    params: list[Tensor] = field(default_factory=list)
+    exp_avgs: list[Tensor] = field(default_factory=list)
+    steps: list[Tensor] = field(default_factory=list)
+    S: list[Optional[Tensor]] = field(default_factory=list)
+    H: list[Optional[Tensor]] = field(default_factory=list)
+    col_offsets: list[int] = field(default_factory=list)
+    ncols: list[int] = field(default_factory=list)
+    #: entries whose gradient is passed as the flat view of its storage (not row-major contiguous)
+    flat_grad: list[bool] = field(default_factory=list)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.index: list[int] = []
-        self.params: list[Tensor] = []
-        self.exp_avgs: list[Tensor] = []
-        self.steps: list[Tensor] = []
-        self.S: list[Optional[Tensor]] = []
-        self.H: list[Optional[Tensor]] = []
-        self.col_offsets: list[int] = []
-        self.ncols: list[int] = []
+
+@dataclass(frozen=True)
+class KernelScalars:
+    """The update's scalars as the kernel takes them, on the group's device where tensors."""
+
+    lr: float
+    beta: float
+    Lambda: float
+    weight_decay: float
+    decoupled: bool
+    grad_scale: Optional[Tensor]
+    found_inf: Optional[Tensor]
+    lr_tensor: Optional[Tensor]
+
+
+def on_device_f32(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """``t`` as a float32 tensor on ``device`` (itself when it already is)."""
+    if t is None or (t.device == device and t.dtype == torch.float32):
+        return t
+    return t.to(device, torch.float32, non_blocking=True)
 
 
 class FusedBackend(StepBackend):
@@ -72,6 +90,8 @@ class FusedBackend(StepBackend):
     """
 
     name = "fused"
+    device_step = True
+    skips_on_device = True
 
     def __init__(self, momentum_dtype: Optional[torch.dtype] = None) -> None:
         if momentum_dtype not in (None, torch.float32):
@@ -80,87 +100,34 @@ class FusedBackend(StepBackend):
 
         self._ext = load_extension()  # RuntimeError naming the reason when unavailable
         self.momentum_dtype = momentum_dtype
-        # key -> (list of groups, the tensors the key's ids refer to, kept alive so the
-        # ids cannot be reused while the entry exists)
-        self._cache: OrderedDict[tuple, tuple[list[_Group], tuple]] = OrderedDict()
 
-    # ------------------------------------------------------------------ state
+    def unsupported_reason(self, param: Tensor, grad: Optional[Tensor] = None) -> Optional[str]:
+        return unsupported_reason(param, grad)
+
     def init_state(self, param: Tensor, state: dict) -> None:
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            dtype = self.momentum_dtype if self.momentum_dtype is not None else param.dtype
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
-            return
-        # State made by another backend (or loaded from a checkpoint): the step count
-        # must live on the parameter's device, as float32.
-        step = state["step"]
-        if not isinstance(step, Tensor):
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=param.device)
-        elif step.device != param.device or step.dtype != torch.float32:
-            state["step"] = step.to(device=param.device, dtype=torch.float32).reshape(())
-        exp_avg = state.get("exp_avg")
-        if isinstance(exp_avg, Tensor) and exp_avg.device != param.device:
-            state["exp_avg"] = exp_avg.to(param.device)
+        """The state this backend needs for ``param`` (what the optimizer creates for it)."""
+        ensure_state(param, state, device_step=True, momentum_dtype=self.momentum_dtype)
 
-    def clear_cache(self) -> None:
-        self._cache.clear()
-
-    # ------------------------------------------------------------------- step
-    def _groups(self, batch: StepBatch) -> list[_Group]:
-        key = ("plan", batch.plan_key) if batch.plan_key is not None else (
-            batch.factors_version,
-            tuple(map(id, batch.params)),
-            tuple(map(id, batch.exp_avgs)),
-            tuple(map(id, batch.steps)),
-            # FactorView objects may be rebuilt every step: key on what they hold.
-            tuple(None if v is None else (id(v.S), id(v.H), v.col_offset, v.ncols) for v in batch.views),
-        )
-        entry = self._cache.get(key)
-        if entry is not None:
-            self._cache.move_to_end(key)
-            return entry[0]
-        groups = self._build_groups(batch)
-        keep_alive = (
-            tuple(batch.params),
-            tuple(batch.exp_avgs),
-            tuple(batch.steps),
-            tuple(None if v is None else (v.S, v.H) for v in batch.views),
-        )
-        self._cache[key] = (groups, keep_alive)
-        while len(self._cache) > _CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return groups
-
-    def _build_groups(self, batch: StepBatch) -> list[_Group]:
+    # ------------------------------------------------------------------- plan
+    def prepare(self, batch: StepBatch, previous: Any = None) -> list[KernelGroup]:
+        """Validate the batch and group it into launches (checks name the bad tensor)."""
         n = len(batch.params)
         for name, lst in (("grads", batch.grads), ("exp_avgs", batch.exp_avgs), ("steps", batch.steps), ("views", batch.views)):
             if len(lst) != n:
                 raise ValueError(f"FusedBackend: batch.{name} has {len(lst)} entries, batch.params has {n}")
-        groups: dict[tuple, _Group] = {}
+        groups: dict[tuple, KernelGroup] = {}
         for i, (p, m, k, view) in enumerate(zip(batch.params, batch.exp_avgs, batch.steps, batch.views)):
-            why = unsupported_reason(p)
-            if why is not None:
-                raise RuntimeError(
-                    f"FusedBackend cannot step parameter {i} (shape {tuple(p.shape)}): {why}; use the 'foreach' backend for it"
-                )
-            if m.device != p.device or m.dtype not in (p.dtype, torch.float32) or not m.is_contiguous():
-                raise RuntimeError(
-                    f"FusedBackend: exp_avg of parameter {i} must be a contiguous tensor on {p.device} in {p.dtype} or "
-                    f"float32, got {m.dtype} on {m.device}"
-                )
-            if k.device != p.device or k.dtype != torch.float32 or k.numel() != 1:
-                raise RuntimeError(
-                    f"FusedBackend: step of parameter {i} must be a float32 scalar on {p.device}, got {k.dtype} on "
-                    f"{k.device}; call FusedBackend.init_state(param, state) first (it moves the count to the device)"
-                )
+            _check_entry(i, p, m, k, self.unsupported_reason(p))
             gkey = (p.device, p.dtype, m.dtype)
             group = groups.get(gkey)
             if group is None:
-                group = groups[gkey] = _Group(p.device)
+                group = groups[gkey] = KernelGroup(p.device)
+            in_memory_order = not p.is_contiguous()  # a dense layout: walked flat, F through permuted columns
             group.index.append(i)
-            group.params.append(p)
-            group.exp_avgs.append(m)
+            group.params.append(flat(p) if in_memory_order else p)
+            group.exp_avgs.append(flat(m) if in_memory_order else m)
             group.steps.append(k)
+            group.flat_grad.append(in_memory_order)
             if view is None:
                 group.S.append(None)
                 group.H.append(None)
@@ -174,11 +141,15 @@ class FusedBackend(StepBackend):
                             f"{p.device}, got {f.dtype} shape {tuple(f.shape)} on {f.device}"
                         )
                 group.S.append(view.S)
-                group.H.append(view.H)
+                if in_memory_order:  # a copy, rebuilt with the plan whenever the factors change
+                    group.H.append(permuted_factor(view.H, int(view.col_offset), memory_columns(p)))
+                else:
+                    group.H.append(view.H)
                 group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
         return list(groups.values())
 
+    # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(
         self,
@@ -186,35 +157,23 @@ class FusedBackend(StepBackend):
         hyper: StepHyper,
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
+        prepared: Any = None,
     ) -> None:
         if not batch.params:
             return
-        groups = self._groups(batch)
-        grads = batch.grads
-        op = self._ext.adafisher_step_
+        groups: list[KernelGroup] = prepared if prepared is not None else self.prepare(batch)
         lr_tensor = hyper.lr if isinstance(hyper.lr, Tensor) else None
         lr = 0.0 if lr_tensor is not None else float(hyper.lr)  # a tensor lr is never read on the host
-        beta, Lambda, wd = float(hyper.beta), float(hyper.Lambda), float(hyper.weight_decay)
         for group in groups:
-            gs = grad_scale
-            fi = found_inf
-            # The scaler's tensors live on one device; a group on another device gets a
-            # copy (a small transfer, only with parameters spread over several GPUs).
-            if gs is not None and gs.device != group.device:
-                gs = gs.to(group.device, non_blocking=True)
-            if fi is not None and fi.device != group.device:
-                fi = fi.to(group.device, non_blocking=True)
-            if gs is not None and gs.dtype != torch.float32:
-                gs = gs.float()
-            if fi is not None and fi.dtype != torch.float32:
-                fi = fi.float()
-            lr_t = lr_tensor
-            if lr_t is not None and (lr_t.device != group.device or lr_t.dtype != torch.float32):
-                # a small copy every step (and none allowed in a CUDA graph from the CPU):
-                # keep a tensor lr in fp32 on the parameters' device to avoid it
-                lr_t = lr_t.to(group.device, torch.float32, non_blocking=True)
+            # The dispatcher hands each device its own copies of the scaler's tensors and
+            # of a tensor lr; a batch given directly may need them copied here.
+            scalars = KernelScalars(
+                lr, float(hyper.beta), float(hyper.Lambda), float(hyper.weight_decay), bool(hyper.decoupled),
+                on_device_f32(grad_scale, group.device), on_device_f32(found_inf, group.device),
+                on_device_f32(lr_tensor, group.device),
+            )
             try:
-                self._call(op, group, grads, lr, beta, Lambda, wd, bool(hyper.decoupled), gs, fi, lr_t)
+                self._launch(group, batch.grads, scalars)
             except RuntimeError as exc:
                 dtype = group.params[0].dtype
                 raise RuntimeError(
@@ -222,23 +181,40 @@ class FusedBackend(StepBackend):
                     f"{group.index if len(group.index) <= 16 else 'group.index[j]'}[j]): {exc}"
                 ) from exc
 
-    @staticmethod
-    def _call(op, group: _Group, grads, lr, beta, Lambda, wd, decoupled, gs, fi, lr_t) -> None:
-        op(
+    def _launch(self, group: KernelGroup, grads: list[Tensor], s: KernelScalars) -> None:
+        self._ext.adafisher_step_(
             group.params,
-            [grads[i] for i in group.index],
+            [flat(grads[i]) if f else grads[i] for i, f in zip(group.index, group.flat_grad)],
             group.exp_avgs,
             group.steps,
             group.S,
             group.H,
             group.col_offsets,
             group.ncols,
-            lr,
-            beta,
-            Lambda,
-            wd,
-            decoupled,
-            gs,
-            fi,
-            lr_t,
+            s.lr,
+            s.beta,
+            s.Lambda,
+            s.weight_decay,
+            s.decoupled,
+            s.grad_scale,
+            s.found_inf,
+            s.lr_tensor,
+        )
+
+
+def _check_entry(i: int, p: Tensor, m: Tensor, k: Tensor, why: Optional[str]) -> None:
+    if why is not None:
+        raise RuntimeError(
+            f"FusedBackend cannot step parameter {i} (shape {tuple(p.shape)}): {why}; use the 'foreach' backend for it"
+        )
+    same_layout = m.is_contiguous() if p.is_contiguous() else tuple(m.stride()) == tuple(p.stride())
+    if m.device != p.device or m.dtype not in (p.dtype, torch.float32) or m.shape != p.shape or not same_layout:
+        raise RuntimeError(
+            f"FusedBackend: exp_avg of parameter {i} must be a tensor of the parameter's shape and strides (contiguous "
+            f"when it is) on {p.device} in {p.dtype} or float32, got {m.dtype} strides {tuple(m.stride())} on {m.device}"
+        )
+    if k.device != p.device or k.dtype != torch.float32 or k.numel() != 1:
+        raise RuntimeError(
+            f"FusedBackend: step of parameter {i} must be a float32 scalar on {p.device}, got {k.dtype} on "
+            f"{k.device}; call FusedBackend.init_state(param, state) first (it moves the count to the device)"
         )

@@ -8,7 +8,7 @@ same order, as the authors' code, so its rounding is theirs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ class ReferenceBackend(StepBackend):
         hyper: StepHyper,
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
+        prepared: Any = None,
     ) -> None:
         if _found_inf(found_inf):
             return

@@ -6,10 +6,11 @@ unbuildable extension, non-zero conv padding modes) runs the torch ops in
 ``layers.py`` / ``factors.py``, which stay the reference the kernels are tested
 against.
 
-``LIGHTNING_CAFIN_CAPTURE`` (or :func:`set_impl`) picks the implementation:
-``auto`` (default: the kernels where they can run), ``torch`` (always the torch ops),
-``kernels`` (the kernels, raising instead of falling back when the extension is
-missing; tests and profiling).  A CPU tensor never touches the extension, so a
+The optimizer's ``capture=`` option, :func:`set_impl`, or else the environment variable
+``LIGHTNING_CAFIN_CAPTURE`` (read when first needed, not at import) picks the
+implementation: ``auto`` (default: the kernels where they can run), ``torch`` (always
+the torch ops), ``kernels`` (the kernels, raising instead of falling back when the
+extension is missing; tests and profiling).  A CPU tensor never touches the extension, so a
 machine without a GPU never builds it for capture.
 """
 
@@ -25,22 +26,33 @@ from torch import Tensor
 IMPLS = ("auto", "torch", "kernels")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_impl = os.environ.get("LIGHTNING_CAFIN_CAPTURE", "auto").strip().lower() or "auto"
-if _impl not in IMPLS:  # a typo must not silently change the maths path
-    raise ValueError(f"LIGHTNING_CAFIN_CAPTURE must be one of {IMPLS}, got {_impl!r}")
+ENV_VAR = "LIGHTNING_CAFIN_CAPTURE"
+
+_impl: Optional[str] = None  # None: not chosen yet, the environment decides on first use
+
+
+def check_impl(name: str, what: str = "capture") -> str:
+    """``name`` normalised, or a ``ValueError`` naming ``what`` and the accepted values
+    (a typo must not silently change the maths path)."""
+    value = str(name).strip().lower()
+    if value not in IMPLS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, IMPLS))}, got {name!r}")
+    return value
 
 
 def set_impl(name: str) -> str:
     """Select ``auto``, ``torch`` or ``kernels``; returns the previous choice."""
     global _impl
-    name = name.strip().lower()
-    if name not in IMPLS:
-        raise ValueError(f"capture implementation must be one of {IMPLS}, got {name!r}")
-    previous, _impl = _impl, name
+    value = check_impl(name, "capture implementation")
+    previous, _impl = get_impl(), value
     return previous
 
 
 def get_impl() -> str:
+    """The implementation in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE``, else ``auto``."""
+    global _impl
+    if _impl is None:
+        _impl = check_impl(os.environ.get(ENV_VAR, "auto").strip() or "auto", f"the environment variable {ENV_VAR}")
     return _impl
 
 
@@ -55,12 +67,12 @@ def _extension() -> Optional[ModuleType]:
 
     info = extension_info()
     if not info.loaded:
-        if _impl == "kernels":
+        if get_impl() == "kernels":
             raise RuntimeError(f"capture kernels requested but unavailable: {info.reason}")
         return None
     ext = load_extension()
     if not hasattr(ext, "channel_stats"):  # an extension built before the capture kernels existed
-        if _impl == "kernels":
+        if get_impl() == "kernels":
             raise RuntimeError("the loaded lightning_cafin extension has no capture kernels; rebuild it")
         return None
     _EXT = ext
@@ -69,7 +81,7 @@ def _extension() -> Optional[ModuleType]:
 
 def ext_for(*tensors: Tensor) -> Optional[ModuleType]:
     """The extension when the kernels should handle these tensors, else ``None``."""
-    if _impl == "torch":
+    if get_impl() == "torch":
         return None
     for t in tensors:
         if not t.is_cuda or t.dtype not in KERNEL_DTYPES:

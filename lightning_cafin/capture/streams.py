@@ -19,8 +19,9 @@ freed to the side stream's pool, is not reused while the consumers may still rea
 Partial sums of several micro-batches are added only after :func:`join` (see
 ``PendingStats``), never on the current stream while the side stream may still write.
 
-``LIGHTNING_CAFIN_CAPTURE_STREAM=0`` (or :func:`set_enabled`) runs everything on the
-current stream instead (profiling, comparisons); :func:`suspended` does so for one
+The optimizer's ``capture_stream=False`` option, :func:`set_enabled`, or else the
+environment variable ``LIGHTNING_CAFIN_CAPTURE_STREAM=0`` (read when first needed, not
+at import) runs everything on the current stream instead (profiling, comparisons); :func:`suspended` does so for one
 block on this thread (statistics read in the forward, which a later in-place write on
 the current stream must not race).
 """
@@ -30,31 +31,48 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 from torch import Tensor
 
 from . import kernels as _kernels
 
-_enabled = os.environ.get("LIGHTNING_CAFIN_CAPTURE_STREAM", "1").strip().lower() not in ("0", "false", "no", "off")
+ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_STREAM"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+_enabled: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
 _local = threading.local()
 _NULL = contextlib.nullcontext()
+
+
+def parse_flag(value: str, what: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case), else a ``ValueError`` naming ``what``."""
+    v = str(value).strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{what} must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
 
 
 def set_enabled(on: bool) -> bool:
     """Use (True) or bypass (False) the side stream; returns the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(on)
+    previous, _enabled = enabled(), bool(on)
     return previous
 
 
 def enabled() -> bool:
+    """The setting in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_STREAM``, else on."""
+    global _enabled
+    if _enabled is None:
+        _enabled = parse_flag(os.environ.get(ENV_VAR, "1").strip() or "1", f"the environment variable {ENV_VAR}")
     return _enabled
 
 
 def side() -> bool:
     """Whether a statistics op called now should run on the side stream."""
-    return _enabled and not getattr(_local, "off", False)
+    return enabled() and not getattr(_local, "off", False)
 
 
 @contextlib.contextmanager
@@ -94,7 +112,7 @@ def beside(*reads: Tensor):
     ops then order themselves, or stay on the current stream) when the side stream is
     off or suspended, for CPU tensors, or before the extension is loaded."""
     ext = _kernels._EXT
-    if ext is None or not _enabled or getattr(_local, "off", False) or not reads[0].is_cuda:
+    if ext is None or not enabled() or getattr(_local, "off", False) or not reads[0].is_cuda:
         return _NULL
     return _Beside(ext, list(reads))
 

@@ -60,7 +60,7 @@ def worker(rank, world, port, out, uneven):
         F.mse_loss(ddp(xs, use_branch=uneven and rank == 0), ys).backward()
         opt.step()
     torch.save({"params": [p.detach() for p in model.parameters()],
-                "factors": {n: (c.S, c.H) for n, c in opt._captures.items() if c.S is not None}},
+                "factors": {n: (c.S, c.H) for n, c in opt.binding.captures.items() if c.S is not None}},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -83,8 +83,8 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
         for a, b in zip(r["params"], model.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
         for name, (S, H) in r["factors"].items():
-            torch.testing.assert_close(S, opt._captures[name].S, rtol=1e-10, atol=0)
-            torch.testing.assert_close(H, opt._captures[name].H, rtol=1e-10, atol=0)
+            torch.testing.assert_close(S, opt.binding.captures[name].S, rtol=1e-10, atol=0)
+            torch.testing.assert_close(H, opt.binding.captures[name].H, rtol=1e-10, atol=0)
 
 
 @pytest.mark.slow

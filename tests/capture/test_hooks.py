@@ -72,9 +72,9 @@ def test_side_stream_factors_equal_current_stream_factors():
         finally:
             streams.set_enabled(previous)
     (m_side, o_side), (m_cur, o_cur) = out
-    assert o_side._captures.keys() == o_cur._captures.keys() and o_cur._captures
-    for name, cap in o_cur._captures.items():
-        assert torch.equal(o_side._captures[name].H, cap.H), name
-        assert torch.equal(o_side._captures[name].S, cap.S), name
+    assert o_side.binding.captures.keys() == o_cur.binding.captures.keys() and o_cur.binding.captures
+    for name, cap in o_cur.binding.captures.items():
+        assert torch.equal(o_side.binding.captures[name].H, cap.H), name
+        assert torch.equal(o_side.binding.captures[name].S, cap.S), name
     for a, b in zip(m_side.parameters(), m_cur.parameters()):
         assert torch.equal(a, b)

@@ -476,7 +476,7 @@ def test_first_capture_of_a_real_network_equals_the_torch_path(ext, impl):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         assert opt.health["capture_steps"] == 1 and opt.health["non_finite_statistics"] == 0
-        results[name] = {n: (c.H.clone(), c.S.clone()) for n, c in opt._captures.items()}
+        results[name] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
     assert results["torch"].keys() == results["kernels"].keys() and len(results["torch"]) == 41
     for n in results["torch"]:
         close(results["kernels"][n][0], results["torch"][n][0], 1e-5)

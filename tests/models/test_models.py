@@ -36,6 +36,6 @@ def test_every_weight_layer_is_preconditioned(make, opt_cls):
     net = make()
     opt = opt_cls(net)
     layers = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm))]
-    assert len(opt._captures) == len(layers)
-    free = {n for n, p in net.named_parameters() if id(p) not in opt._slots}
+    assert len(opt.binding.captures) == len(layers)
+    free = {n for n, p in net.named_parameters() if not opt.binding.preconditioned(p)}
     assert free <= {"pos"}, f"parameters left on F = 1: {free}"

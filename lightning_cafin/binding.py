@@ -1,0 +1,240 @@
+"""One optimizer's layers: which modules it captures, which parameter reads which factors.
+
+Parameters are paired with the modules whose weight or bias they are *by identity*,
+never by position, so embeddings, frozen or tied layers, free parameters and extra
+param groups all get their own ``F``.  The binding owns the layer captures (hooks,
+pending statistics, factors), saves the factors by module name when it is unbound
+or checkpointed, and restores them on the next bind.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .backends import FactorView
+from .capture.hooks import LayerCapture, attach, detach
+from .capture.layers import ParamSlot, rule_for
+
+
+@dataclass(frozen=True)
+class LayerFactors:
+    """One layer's two factor vectors.  ``S`` and ``H`` are the live tensors: read them,
+    never write them (clone them to keep a copy)."""
+
+    name: str
+    layer_type: str  # the module's class name
+    S: Tensor
+    H: Tensor
+
+
+#: Functions that may name a model for an unbound optimizer at its first step.
+_MODEL_PROVIDERS: "OrderedDict[int, Callable[[Any], Optional[nn.Module]]]" = OrderedDict()
+
+
+def register_model_provider(provider: Callable[[Any], Optional[nn.Module]]) -> RemovableHandle:
+    """Let ``provider(optimizer)`` name a model for an AdaFisher still unbound at its first step.
+
+    The optimizer binds itself to the first model a provider returns (the Lightning
+    callback uses this for optimizers created where it cannot see them).  Remove the
+    provider with the returned handle.
+    """
+    handle = RemovableHandle(_MODEL_PROVIDERS)
+    _MODEL_PROVIDERS[handle.id] = provider
+    return handle
+
+
+def offered_model(optimizer: Any) -> Optional[nn.Module]:
+    """The first model a registered provider names for ``optimizer``, if any."""
+    for provider in list(_MODEL_PROVIDERS.values()):
+        model = provider(optimizer)
+        if model is not None:
+            return model
+    return None
+
+
+def _kept(S: Tensor, H: Tensor, layer_type: str) -> dict[str, Any]:
+    return {"S": S, "H": H, "layer_type": layer_type}
+
+
+class LayerBinding:
+    """The captures of one optimizer on one model, and the factors kept between binds.
+
+    ``is_capturing`` is what the hooks ask before computing statistics; ``warn_once``
+    reports a problem once per optimizer.
+    """
+
+    def __init__(self, owner: str, is_capturing: Callable[[], bool], warn_once: Callable[..., None]) -> None:
+        self.owner = owner
+        self._is_capturing = is_capturing
+        self._warn_once = warn_once
+        self._captures: dict[str, LayerCapture] = {}
+        self._slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
+        self._param_names: dict[int, str] = {}
+        self._model: Optional[nn.Module] = None
+        self._kept: dict[str, dict[str, Any]] = {}  # factors of layers not bound now, by module name
+        #: changes whenever any factor tensor is created or rewritten
+        self.version = 0
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self._model
+
+    @property
+    def captures(self) -> Mapping[str, LayerCapture]:
+        """The bound layers by module name (a read-only view)."""
+        return MappingProxyType(self._captures)
+
+    def preconditioned(self, p: Tensor) -> bool:
+        """Whether ``p`` belongs to a bound layer (it reads ``F`` once that layer has factors)."""
+        return id(p) in self._slots
+
+    def layer_of(self, p: Tensor) -> Optional[str]:
+        entry = self._slots.get(id(p))
+        return None if entry is None else entry[0].name
+
+    def param_name(self, p: Tensor) -> Optional[str]:
+        """``p``'s name in the bound model (None when unbound or not the model's)."""
+        return self._param_names.get(id(p))
+
+    def view(self, p: Tensor) -> Optional[FactorView]:
+        """How ``p`` reads its F now (``None``: F = 1)."""
+        entry = self._slots.get(id(p))
+        if entry is None:
+            return None
+        cap, slot = entry
+        if cap.S is None or cap.H is None:
+            return None
+        if cap.S.numel() * slot.ncols != p.numel():
+            self._warn_once(f"shape:{cap.name}", f"factors of {cap.name!r} do not fit {self.param_name(p)}; using F = 1")
+            return None
+        return FactorView(cap.S, cap.H, slot.col_offset, slot.ncols)
+
+    def factors(self) -> dict[str, LayerFactors]:
+        """Every layer's factors by module name: the bound layers' live tensors, then those
+        kept for a later bind; layers without factors yet are absent."""
+        out = {
+            name: LayerFactors(name, type(cap.module).__name__, cap.S, cap.H)
+            for name, cap in self._captures.items()
+            if cap.S is not None and cap.H is not None
+        }
+        for name, kept in self._kept.items():
+            out.setdefault(name, LayerFactors(name, kept["layer_type"], kept["S"], kept["H"]))
+        return out
+
+    def factor_bytes(self) -> int:
+        return sum(f.S.numel() * f.S.element_size() + f.H.numel() * f.H.element_size() for f in self.factors().values())
+
+    # ---------------------------------------------------------------- binding
+    def bind(self, model: nn.Module, params: Iterable[Tensor], warn_on_takeover: bool = True) -> None:
+        if self._model is not None and self._model is not model:
+            self.unbind()
+        self._model = model
+        self.pair(params, warn_on_takeover)
+
+    def unbind(self) -> None:
+        """Remove every hook; the factors are kept by module name for a later bind."""
+        for cap in self._captures.values():
+            if cap.S is not None and cap.H is not None:
+                self._kept[cap.name] = _kept(cap.S, cap.H, type(cap.module).__name__)
+            detach(cap)
+        self._captures, self._slots, self._model = {}, {}, None
+
+    def pair(self, params: Iterable[Tensor], warn_on_takeover: bool = True) -> None:
+        """Pair ``params`` (the optimizer's) with the bound model's supported layers, by identity."""
+        model = self._model
+        if model is None:
+            return
+        in_optimizer = {id(p) for p in params}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
+        captures: dict[str, LayerCapture] = {}
+        for name, module in model.named_modules():
+            rule = rule_for(module)
+            if rule is None:
+                continue
+            mine = []
+            for slot in rule.slots(module):
+                p = getattr(module, slot.role, None)
+                if isinstance(p, Tensor) and id(p) in in_optimizer and id(p) not in slots:
+                    mine.append((p, slot))
+            if not mine:
+                continue
+            cap = self._captures.get(name)
+            if cap is None or cap.module is not module:
+                cap = LayerCapture(name, module, rule, self._is_capturing)
+            captures[name] = cap
+            for p, slot in mine:
+                slots[id(p)] = (cap, slot)
+        for name, cap in self._captures.items():
+            if captures.get(name) is not cap:
+                detach(cap)
+        for cap in captures.values():
+            if attach(cap) is not None and warn_on_takeover:
+                self._warn_once(
+                    "rebind",
+                    f"{cap.name!r} was bound to another live AdaFisher optimizer; its hooks now feed this one "
+                    "(the other no longer updates those factors)",
+                    stacklevel=5,
+                )
+        self._captures, self._slots = captures, slots
+        self._restore_kept()
+
+    def discard_pending(self) -> None:
+        """Drop the statistics gathered since the last step (a skipped or non-capture step)."""
+        for cap in self._captures.values():
+            if cap.pending.calls:
+                cap.take_pending()
+
+    # ---------------------------------------------------------- save, restore
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Copies of every factor by module name (bound layers and kept ones)."""
+        return {
+            name: {"S": f.S.clone(), "H": f.H.clone(), "layer_type": f.layer_type} for name, f in self.factors().items()
+        }
+
+    def load_state_dict(self, factors: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace every factor by ``factors`` (module name -> ``{"S", "H"}``), copied;
+        bound layers take theirs now, the others keep them for a later bind."""
+        self._kept = {n: _kept(f["S"].clone(), f["H"].clone(), str(f.get("layer_type", ""))) for n, f in factors.items()}
+        self.version += 1
+        self._restore_kept()
+
+    def _restore_kept(self) -> None:
+        if not self._kept or not self._captures:
+            return
+        unknown = sorted(set(self._kept) - set(self._captures))
+        if unknown:
+            self._warn_once("unknown-factors", f"saved factors for {unknown} match no bound layer of this model; ignored")
+        for name, cap in self._captures.items():
+            kept = self._kept.get(name)
+            if kept is None:
+                continue
+            device = cap.device
+            S, H = kept["S"].to(device), kept["H"].to(device)
+            if cap.S is not None and cap.H is not None and cap.S.shape == S.shape and cap.H.shape == H.shape:
+                cap.S.copy_(S)
+                cap.H.copy_(H)
+            else:
+                cap.S, cap.H = S.clone(), H.clone()
+        self._kept = {}
+        self.version += 1
+
+
+def warn_if_nothing_bound(binding: LayerBinding, model: nn.Module) -> None:
+    if not binding.captures:
+        warnings.warn(
+            f"{binding.owner}: {type(model).__name__} has no supported layer (Linear, Conv2d, BatchNorm2d, "
+            "LayerNorm) among the optimizer's parameters; every parameter uses F = 1",
+            stacklevel=3,
+        )
+
+
+__all__ = ["LayerBinding", "LayerFactors", "offered_model", "register_model_provider", "warn_if_nothing_bound"]

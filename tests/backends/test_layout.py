@@ -1,0 +1,133 @@
+"""Dense layouts in the fused step: F indexed through the memory order, checked on the CPU.
+
+The kernel reads ``F[f] = S[f // ncols] * H[off + f % ncols] + Lambda`` over a flat row.
+A stand-in extension doing exactly that in torch, fed what ``FusedBackend`` plans,
+must equal the oracle on channels_last (and other dense, dim-0-outermost) parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import AdaFisher, AdaFisherW
+from lightning_cafin.backends.base import FactorView
+from lightning_cafin.backends.fused import FusedBackend
+from lightning_cafin.backends.layout import flat, layout_reason, memory_columns, permuted_factor
+
+D = torch.float64
+
+
+def kernel_fisher(S, H_mem, col_offset, ncols, Lambda, numel):
+    """What the kernel computes for a flat parameter of ``numel`` elements."""
+    f = torch.arange(numel)
+    return S[f // ncols] * H_mem[col_offset + f % ncols] + Lambda
+
+
+LAYOUTS = {
+    "channels_last": lambda: torch.randn(6, 4, 3, 2, dtype=D).contiguous(memory_format=torch.channels_last),
+    "channels_last_3d": lambda: torch.randn(5, 3, 2, 3, 2, dtype=D).contiguous(memory_format=torch.channels_last_3d),
+    "permuted_inner_dims": lambda: torch.randn(4, 5, 3, dtype=D).permute(0, 2, 1),
+    "contiguous": lambda: torch.randn(5, 3, 2, dtype=D),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_permuted_columns_give_the_logical_fisher_in_memory_order(layout):
+    p = LAYOUTS[layout]()
+    rows, ncols = p.shape[0], p.numel() // p.shape[0]
+    S = torch.rand(rows, dtype=D)
+    H = torch.rand(ncols + 1, dtype=D)  # a bias column after the weight's, as a conv layer has
+    logical = FactorView(S, H, 0, ncols).fisher(1e-3, p.shape)
+    laid_out = torch.empty_like(p)
+    laid_out.copy_(logical)
+    H_mem = permuted_factor(H, 0, memory_columns(p))
+    assert layout_reason(p) is None
+    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), flat(laid_out))
+    assert H_mem[ncols] == H[ncols]  # the bias column is untouched
+    if layout == "contiguous":
+        assert torch.equal(H_mem, H)
+
+
+def test_layouts_the_kernel_cannot_walk_are_named():
+    w = torch.randn(4, 5)
+    assert "dim 0 outermost" in layout_reason(w.t()) and "contiguous" in layout_reason(w.t())
+    assert "not dense" in layout_reason(torch.randn(4, 10)[:, ::2])
+    cl = torch.randn(6, 4, 3, 2).contiguous(memory_format=torch.channels_last)
+    assert layout_reason(cl, torch.randn(6, 4, 3, 2)) .startswith("its gradient is not contiguous alike")
+    assert layout_reason(cl, torch.randn_like(cl)) is None  # randn_like preserves the layout
+
+
+class StandInExtension:
+    """``adafisher_step_`` as the kernel computes it, in torch, with the op's contiguity checks."""
+
+    def adafisher_step_(self, params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols, lr, beta, Lambda,
+                        wd, decoupled, grad_scale, found_inf, lr_tensor):
+        if found_inf is not None and found_inf.item() != 0:
+            return
+        for p, g, m, k, S, H, off, nc in zip(params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols):
+            for name, t in (("param", p), ("grad", g), ("exp_avg", m)):
+                assert t.is_contiguous(), f"the op refuses a non-contiguous {name}"
+            g = g.reshape(-1) / grad_scale if grad_scale is not None else g.reshape(-1)
+            pf, mf = p.view(-1), m.view(-1)
+            k += 1
+            bc = 1 - beta ** float(k)
+            F = torch.ones_like(pf) if S is None else kernel_fisher(S, H, off, nc, Lambda, pf.numel()).to(pf.dtype)
+            if decoupled:
+                mf.mul_(beta).add_(g, alpha=1 - beta)
+                pf.sub_(lr * (mf / bc / F + wd * pf))
+            else:
+                g = g.add(pf, alpha=wd) if wd else g
+                mf.mul_(beta).add_(g, alpha=1 - beta)
+                pf.addcdiv_(mf, F, value=-(lr / bc))
+
+
+class CpuFused(FusedBackend):
+    """The fused backend's planning on the CPU, over the stand-in extension."""
+
+    def __init__(self) -> None:
+        self._ext = StandInExtension()
+        self.momentum_dtype = None
+
+    def unsupported_reason(self, param, grad=None):
+        return layout_reason(param, grad)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.c2 = nn.Conv2d(6, 4, (3, 2), groups=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.c2(torch.tanh(self.c1(x))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("opt_cls", [AdaFisher, AdaFisherW])
+def test_channels_last_parameters_are_stepped_in_place_and_equal_the_oracle(opt_cls):
+    model = ConvNet().to(memory_format=torch.channels_last)  # float32: the factors the kernel takes
+    twin = copy.deepcopy(model)
+    assert not model.c1.weight.is_contiguous()
+    opt = opt_cls(model, TCov=3, weight_decay=1e-2, backend="foreach")
+    opt.set_backend(CpuFused())
+    ref = opt_cls(twin, TCov=3, weight_decay=1e-2, backend="reference")
+    gen = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: every tensor goes to the (stand-in) kernel
+        for _ in range(10):  # over three capture steps
+            x = torch.randn(4, 3, 7, 6, generator=gen).contiguous(memory_format=torch.channels_last)
+            for o, m in ((opt, model), (ref, twin)):
+                o.zero_grad()
+                m(x).pow(2).sum().backward()
+                o.step()
+    assert opt.state[model.c1.weight]["exp_avg"].stride() == model.c1.weight.stride()
+    assert model.c1.weight.stride() == twin.c1.weight.stride()  # updated in place, layout kept
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    assert opt.health["capture_steps"] == ref.health["capture_steps"] == 4

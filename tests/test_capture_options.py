@@ -1,0 +1,65 @@
+"""Capture implementation and side stream as optimizer options; the environment read lazily."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.capture import kernels as capture_kernels
+from lightning_cafin.capture import streams as capture_streams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def restore():
+    impl, stream = capture_kernels.get_impl(), capture_streams.enabled()
+    yield
+    capture_kernels.set_impl(impl)
+    capture_streams.set_enabled(stream)
+
+
+def test_bad_values_are_refused_naming_the_argument():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"capture must be one of 'auto', 'torch', 'kernels', got 'fast'"):
+        AdaFisher(model, capture="fast")
+    with pytest.raises(TypeError, match="capture_stream must be True, False or None"):
+        AdaFisher(model, capture_stream="off")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("var, value", [("LIGHTNING_CAFIN_CAPTURE", "fast"), ("LIGHTNING_CAFIN_CAPTURE_STREAM", "maybe")])
+def test_a_bad_environment_variable_does_not_break_the_import(var, value):
+    code = (
+        "import lightning_cafin\n"
+        "from lightning_cafin.capture import kernels, streams\n"
+        "try:\n"
+        "    kernels.get_impl(); streams.enabled()\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+    )
+    env = {**os.environ, var: value, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"ValueError: the environment variable {var} must be one of" in out.stdout and repr(value) in out.stdout
+
+
+def test_explicit_options_apply_when_the_capture_begins(restore):
+    capture_kernels.set_impl("auto")
+    capture_streams.set_enabled(True)
+    model = nn.Linear(3, 2)
+    opt = AdaFisher(model, TCov=10, capture="torch", capture_stream=False, backend="foreach")
+    assert capture_kernels.get_impl() == "auto" and capture_streams.enabled()  # nothing changes at construction
+    model(torch.randn(4, 3)).sum().backward()  # a capture step's forward
+    assert capture_kernels.get_impl() == "torch" and not capture_streams.enabled()
+    opt.step()
+    capture_kernels.set_impl("auto")
+    plain = AdaFisher(nn.Linear(3, 2), TCov=10, backend="foreach")  # None: the process default stays
+    plain.zero_grad()
+    assert plain.capture_options.impl is None
+    assert capture_kernels.get_impl() == "auto"
