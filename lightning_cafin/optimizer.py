@@ -13,11 +13,14 @@ import copy
 import logging
 import warnings
 import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ._validation import check_hyperparameters, reject_unknown_kwargs
 from .backends import BACKEND_NAMES, FactorView, StepBackend, StepBatch, StepHyper, make_backend
@@ -55,11 +58,31 @@ def withdraw_model(model: nn.Module) -> None:
 
 
 class StepObserver(Protocol):
-    """Something that watches the update (a monitor); see ``add_step_observer``."""
+    """Something that watches the update (a monitor); see ``register_step_observer``.
 
-    def before_update(self, optimizer: "_AdaFisherBase") -> None: ...
+    ``found_inf`` is the loss scaler's device flag for this step (``None`` without a
+    scaler); an observer must not read it on the host if it wants to stay free of
+    synchronisation.  An observer may also define ``before_capture(opt)`` and
+    ``after_capture(opt)``, called around a capture step's factor work.
+    """
 
-    def after_update(self, optimizer: "_AdaFisherBase") -> None: ...
+    def before_update(self, optimizer: "_AdaFisherBase", found_inf: Optional[Tensor]) -> None: ...
+
+    def after_update(self, optimizer: "_AdaFisherBase", found_inf: Optional[Tensor]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LayerFactors:
+    """One bound layer's factor vectors: ``F[i, j] = S[i] * H[j] + Lambda``.
+
+    ``S`` and ``H`` are the optimizer's live tensors (updated in place on capture
+    steps): read them, never write them.
+    """
+
+    name: str
+    layer_type: str
+    S: Tensor
+    H: Tensor
 
 
 class _AdaFisherBase(Optimizer):
@@ -117,7 +140,7 @@ class _AdaFisherBase(Optimizer):
         }
         self._backend: StepBackend = ForeachBackend()
         self._fallback = ForeachBackend()
-        self._observers: list[StepObserver] = []
+        self._observers: "OrderedDict[int, StepObserver]" = OrderedDict()
         self._plans: dict[int, tuple] = {}
         self._plan_epoch = 0
         #: process group whose ranks' statistics are summed on capture steps (None: the default group)
@@ -303,10 +326,10 @@ class _AdaFisherBase(Optimizer):
         found_inf: Optional[Tensor] = getattr(self, "found_inf", None)
         with torch.no_grad():
             # found_inf is read on the host only where the host must know it: on capture
-            # steps (the factors must not learn from a skipped step), for a parameter the
-            # fused kernel does not take, or with an observer.  Otherwise the kernel
-            # honours it on the device and the host learns it later (DeferredSkips).
-            defer = found_inf is not None and found_inf.is_cuda and not self._observers
+            # steps (the factors must not learn from a skipped step) and for a parameter the
+            # fused kernel does not take.  Otherwise the kernel honours it on the device and
+            # the host learns it later (DeferredSkips); observers receive it on the device.
+            defer = found_inf is not None and found_inf.is_cuda
             if found_inf is not None and not defer and self._skip_if_found_inf(found_inf):
                 return loss
             bound_now = self._first_step_notices()
@@ -316,7 +339,11 @@ class _AdaFisherBase(Optimizer):
                     return loss
                 defer = False
             if capture:
-                self._capture(grad_scale)
+                self._notify("before_capture")
+                try:
+                    self._capture(grad_scale)
+                finally:
+                    self._notify("after_capture")
             else:
                 self._discard_pending()
             work = [(group, backend, batch) for group in self.param_groups for backend, batch in self._collect(group)]
@@ -324,16 +351,19 @@ class _AdaFisherBase(Optimizer):
                 if self._skip_if_found_inf(found_inf):
                     return loss
                 defer = False
-            for observer in self._observers:
-                observer.before_update(self)
-            for group, backend, batch in work:
-                backend.step(batch, self.hyper(group), grad_scale, found_inf if defer else None)
-            if defer:
-                self._skips.record(found_inf)
-            self._global_step += 1
-            self._force_capture = bound_now  # its hooks missed this step's forward: capture next step
-            for observer in self._observers:
-                observer.after_update(self)
+            observed = found_inf if defer else None
+            for observer in list(self._observers.values()):
+                observer.before_update(self, observed)
+            try:
+                for group, backend, batch in work:
+                    backend.step(batch, self.hyper(group), grad_scale, observed)
+                if defer:
+                    self._skips.record(found_inf)
+                self._global_step += 1
+                self._force_capture = bound_now  # its hooks missed this step's forward: capture next step
+            finally:
+                for observer in list(self._observers.values()):
+                    observer.after_update(self, observed)
         return loss
 
     def _skip_if_found_inf(self, found_inf: Tensor) -> bool:
@@ -410,14 +440,14 @@ class _AdaFisherBase(Optimizer):
 
     @property
     def health(self) -> dict[str, Any]:
-        """Counters: skipped steps, capture steps, modules whose hooks never fired, non-finite
-        statistics, parameters on F = 1.  Reading them settles the last capture step's
-        device-side verdicts (at most one wait for the GPU).  Under a loss scaler,
-        ``skipped_steps`` counts the steps whose found_inf flag has reached the host; a
-        step or two still in flight on the GPU are counted when they arrive."""
+        """A copy of the counters: skipped steps, capture steps, modules whose hooks never
+        fired, non-finite statistics, parameters on F = 1.  Reading them settles the last
+        capture step's device-side verdicts (at most one wait for the GPU).  Under a loss
+        scaler, ``skipped_steps`` counts the steps whose found_inf flag has reached the
+        host; a step or two still in flight on the GPU are counted when they arrive."""
         self._settle_capture_report()
         self._count_skips(self._skips.poll())
-        return self._health
+        return copy.deepcopy(self._health)
 
     def _settle_capture_report(self) -> None:
         report, self._unread_report = self._unread_report, None
@@ -498,19 +528,75 @@ class _AdaFisherBase(Optimizer):
         self._plans = {}
 
     # ---------------------------------------------------------- observation
-    def add_step_observer(self, observer: "StepObserver") -> None:
-        """Call ``observer.before_update(opt)`` / ``after_update(opt)`` around every applied update.
+    def register_step_observer(self, observer: "StepObserver") -> RemovableHandle:
+        """Call ``observer.before_update(opt, found_inf)`` / ``after_update(opt, found_inf)``
+        around every applied update; returns a handle whose ``remove()`` stops it.
 
         They run inside :meth:`step` after the closure (forward and backward) and after a
         capture step's factor update, just around the parameter update itself, and not at
-        all on steps a loss scaler skips: this is how monitors time and check the update alone.
+        all on steps the host already knows a loss scaler skips.  ``after_update`` runs even
+        when the update raises.  Optional ``before_capture(opt)`` / ``after_capture(opt)``
+        run around a capture step's factor work (statistics join, reduction, factor update).
+        Observing never makes the optimizer read ``found_inf`` on the host.
         """
-        if observer not in self._observers:
-            self._observers.append(observer)
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = observer
+        return handle
+
+    def add_step_observer(self, observer: "StepObserver") -> None:
+        """Alias of :meth:`register_step_observer` (without the handle); idempotent."""
+        if not any(o is observer for o in self._observers.values()):
+            self.register_step_observer(observer)
 
     def remove_step_observer(self, observer: "StepObserver") -> None:
-        if observer in self._observers:
-            self._observers.remove(observer)
+        for key, o in list(self._observers.items()):
+            if o is observer:
+                del self._observers[key]
+
+    def _notify(self, method: str) -> None:
+        for observer in list(self._observers.values()):
+            hook = getattr(observer, method, None)
+            if hook is not None:
+                hook(self)
+
+    @property
+    def capture_due(self) -> bool:
+        """Whether the next :meth:`step` would capture, as far as the host knows now.
+
+        Changes nothing and never waits for the GPU: under a loss scaler, steps whose
+        found_inf flag has not reached the host yet count as taken.
+        """
+        if self._force_capture:
+            return True
+        return self._global_step % self.defaults["TCov"] == 0
+
+    def capture_next_step(self) -> None:
+        """Make the next :meth:`step` a capture step, whatever the schedule says."""
+        self._force_capture = True
+
+    def factors(self) -> dict[str, LayerFactors]:
+        """The bound layers' factor vectors by module name (layers without factors yet are absent)."""
+        return {
+            name: LayerFactors(name, type(cap.module).__name__, cap.S, cap.H)
+            for name, cap in self._captures.items()
+            if cap.S is not None and cap.H is not None
+        }
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held by the optimizer: ``momentum``, ``factors``, ``cached_fisher`` (the
+        foreach backend's materialised F), and their ``total``."""
+
+        def nbytes(t: Optional[Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        momentum = sum(nbytes(s.get("exp_avg")) for s in self.state.values())
+        factors = sum(nbytes(c.S) + nbytes(c.H) for c in self._captures.values())
+        cached = 0
+        for backend in {id(b): b for b in (self._backend, self._fallback)}.values():
+            for entry in getattr(backend, "_fisher", {}).values():
+                cached += nbytes(entry[-1])
+        return {"momentum": momentum, "factors": factors, "cached_fisher": cached,
+                "total": momentum + factors + cached}
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -610,4 +696,4 @@ class AdaFisherW(_AdaFisherBase):
     _decoupled = True
 
 
-__all__ = ["AdaFisher", "AdaFisherW", "BACKEND_NAMES"]
+__all__ = ["AdaFisher", "AdaFisherW", "BACKEND_NAMES", "LayerFactors"]
