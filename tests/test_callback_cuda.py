@@ -7,7 +7,7 @@ from lightning.pytorch import Trainer
 
 from lightning_cafin import CAFINCallback
 
-from .test_callback import Module, loader, read_scalars
+from .test_callback import Module, loader, read_runs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -38,7 +38,9 @@ def test_fused_step_under_16_mixed_skips_overflow_and_matches_the_oracle(tmp_pat
     assert opt.health["skipped_steps"] >= 1
     for f in opt._saved_factors.values():
         assert torch.isfinite(f["S"]).all() and torch.isfinite(f["H"]).all()
-    scalars, _ = read_scalars(tmp_path)
+    runs, _ = read_runs(tmp_path)
+    scalars = runs[""]
     assert max(scalars["cafin/divergence_rel"]) < 1e-5
     assert scalars["cafin/memory_saved_mb"][-1] > 0
     assert scalars["cafin/skipped_steps"][-1] >= 1
+    assert min(runs["device"]["cafin/capture_ms"]) >= 0 and min(runs["host"]["cafin/capture_ms"]) >= 0
