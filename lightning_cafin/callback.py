@@ -100,11 +100,13 @@ class CAFINCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer, pl_module, warn_if_none=True)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # after Lightning logged the model's hyper-parameters: ours join them in one record
         if self._monitors and self._writer is not None:
-            params: dict[str, Any] = {}
+            # TensorBoard's HParams view keeps the first record of a run, and Lightning writes
+            # the model's right after this hook: write the model's and the optimizer's together now.
+            params: dict[str, Any] = dict(pl_module.hparams_initial)
+            datamodule = getattr(trainer, "datamodule", None)
+            if datamodule is not None:
+                params.update(datamodule.hparams_initial)
             for m in self._monitors:
                 params.update(optimizer_hparams(m.opt, m.device, m.suffix))
             self._writer.hparams(params)

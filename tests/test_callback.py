@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_cafin import AdaFisher, AdaFisherW, CAFINCallback, DivergenceError
 from lightning_cafin.backends import ForeachBackend
 from lightning_cafin.capture import hook_count
+from lightning_cafin.monitor.tags import CHARTS, LAYER_TYPES
 
 
 class Module(LightningModule):
@@ -109,6 +110,10 @@ def test_trainer_run_logs_every_metric(tmp_path):
             assert values, (series, key)
             assert all(math.isfinite(v) for v in values), (series, key)
     assert "device" not in runs  # no CUDA events on a CPU: one capture-cost series, the wall clock
+    for chart in CHARTS:  # every tag of the README's table is written, in each of its series
+        for series in chart.series or ("",):
+            if series not in ("device", LAYER_TYPES):
+                assert chart.tag in runs[series], (chart.tag, series)
     live_ms = runs["live"]["cafin/step_ms"]
     assert 0 < min(live_ms) and max(live_ms) < 1000
     main = runs[""]

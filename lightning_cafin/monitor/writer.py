@@ -76,11 +76,7 @@ class DashboardWriter:
 
     def hparams(self, params: dict[str, Any]) -> None:
         for logger in self.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                # TensorBoard's HParams view shows one record per run: write the model's and ours together
-                logger.log_hyperparams({**dict(logger.hparams), **params})
-            else:
-                logger.log_hyperparams(params)
+            logger.log_hyperparams(params)
 
     def close(self) -> None:
         for writer in self._series_writers.values():
