@@ -82,7 +82,7 @@ class Page:
 
 
 def load_custom_scalars(url: str, screenshot: str, settle_s: float = 60.0) -> Page:
-    """Open the Custom Scalars page (smoothing off), wait for its charts' data, screenshot it."""
+    """Open the Custom Scalars page (smoothing off, outliers kept in the scale), wait for its charts' data, screenshot it."""
     from playwright.sync_api import sync_playwright
 
     data: dict[str, set] = {}
@@ -103,11 +103,14 @@ def load_custom_scalars(url: str, screenshot: str, settle_s: float = 60.0) -> Pa
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1600, "height": 2600})
+            page = browser.new_page(viewport={"width": 1600, "height": 2000})
             page.on("response", on_response)
             page.goto(url + "/#custom_scalars&_smoothingWeight=0")
             cards = page.locator("tf-custom-scalar-multi-line-chart-card")
             cards.first.wait_for(timeout=settle_s * 1000)
+            outliers = page.get_by_text("Ignore outliers in chart scaling")
+            if outliers.count():
+                outliers.first.click()  # keep the sparse baseline samples inside the charts' scale
             deadline = time.monotonic() + settle_s
             expected = cards.count()
             while time.monotonic() < deadline and len(data) < expected:

@@ -95,8 +95,8 @@ def readme_table() -> str:
     for c in CHARTS:
         series = ", ".join(f"`{s}`" if s != LAYER_TYPES else "one per layer type (`Conv2d`, `Linear`, ...)"
                            for s in c.series) or "the training run"
-        rows.append(f"| `{c.tag}` | {series} | {c.section}: {c.title.format(compared='<live> vs <baseline>')} "
-                    f"| {c.meaning} |")
+        title = c.title.format(compared="`<live> vs <baseline>`").replace("|", "\\|")
+        rows.append(f"| `{c.tag}` | {series} | {c.section}: {title} | {c.meaning.replace('|', chr(92) + '|')} |")
     rows.append(f"| `{TEXT_TAG}/text_summary` | the training run | Text | which backend runs, what divergence "
                 "compares |")
     rows.append(f"| `{HISTOGRAM_TAGS[0]}`, `{HISTOGRAM_TAGS[1]}` | the training run | Histograms | the factor "
