@@ -45,7 +45,8 @@ class CAFINCallback(Callback):
             ``"foreach"``, ``"reference"``, or ``None`` to keep each optimizer's own.
         log_every_n_steps: logging interval in optimizer steps (default: the trainer's).
         divergence_every_n_steps: how often to run the shadow baseline step (0: never);
-            sampled on steps ``n, 2n, ...`` (not step 0, whose update also creates state).
+            sampled on steps ``1, n, 2n, ...`` (not step 0, whose update also creates the
+            optimizer's state, so its memory is not the update's).
         baseline_backend: the backend of the shadow step (the oracle by default).
         divergence_threshold: relative divergence above which ``on_divergence`` acts.
         on_divergence: ``"warn"``, ``"raise"`` (a :class:`DivergenceError`) or
@@ -155,10 +156,14 @@ class CAFINCallback(Callback):
         if tuple(id(o) for o in trainer.optimizers) != self._watched:
             # the optimizers were replaced after fit start (a learning-rate search does this)
             self._attach(trainer, pl_module)
-        every = self.divergence_every_n_steps
-        if every and trainer.global_step > 0 and trainer.global_step % every == 0:
+        if self.samples_baseline_at(trainer.global_step):
             for m in self._monitors:
                 m.shadow_due = True
+
+    def samples_baseline_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (counted from 0) runs the shadow baseline."""
+        every = self.divergence_every_n_steps
+        return bool(every) and (step == 1 or (step > 0 and step % every == 0))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -74,9 +74,8 @@ class SyncDebug(Callback):
         self.checked = 0
 
     def _quiet(self, trainer, step):
-        every = self.cafin.divergence_every_n_steps
         logging = (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % trainer.log_every_n_steps == 0
-        return step >= 4 and not logging and not (every and step > 0 and step % every == 0)
+        return step >= 4 and not logging and not self.cafin.samples_baseline_at(step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         scaled_capture = trainer.precision == "16-mixed" and trainer.optimizers[0].capture_due

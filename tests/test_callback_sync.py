@@ -33,9 +33,7 @@ class SyncProbe(Callback):
         # runs after CAFINCallback's own batch-end hook (callbacks run in list order)
         self._ctx.__exit__(None, None, None)
         logging = trainer._logger_connector.should_update_logs
-        every = self.cafin.divergence_every_n_steps
-        step = trainer.global_step - 1  # the step just taken
-        shadow = bool(every) and step > 0 and step % every == 0
+        shadow = self.cafin.samples_baseline_at(trainer.global_step - 1)  # the step just taken
         self.per_step.append((logging, shadow, self.counter.count))
 
 
