@@ -82,7 +82,8 @@ class Page:
 
 
 def load_custom_scalars(url: str, screenshot: str, settle_s: float = 60.0) -> Page:
-    """Open the Custom Scalars page (smoothing off, outliers kept in the scale), wait for its charts' data, screenshot it."""
+    """Open the Custom Scalars page (smoothing off, outliers kept in the scale), wait for
+    its charts' data, screenshot it."""
     from playwright.sync_api import sync_playwright
 
     data: dict[str, set] = {}

@@ -115,7 +115,6 @@ class WithHparams(Module):
 
 
 def test_optimizer_settings_are_run_hparams(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     trainer(tmp_path, CAFINCallback(backend="foreach", divergence_every_n_steps=0), max_steps=4).fit(

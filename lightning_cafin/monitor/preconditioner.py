@@ -104,6 +104,7 @@ class PreconditionerHealth:
         self.histogram_layers = histogram_layers
         self._latest: Optional[FactorSnapshot] = None
         self._previous: Optional[FactorSnapshot] = None
+        self._hist_source: Optional[FactorSnapshot] = None  # the last read capture, until its histograms are taken
 
     def on_capture(self, factors: dict) -> None:
         """Called right after a capture step's factor update: keep copies, read nothing."""
@@ -141,10 +142,9 @@ class PreconditionerHealth:
 
     def histograms(self) -> dict[str, tuple[Tensor, Tensor]]:
         """``{layer name: (S, H)}`` host copies of the last read capture for the chosen layers."""
-        snap = getattr(self, "_hist_source", None)
+        snap, self._hist_source = self._hist_source, None
         if snap is None:
             return {}
-        self._hist_source = None
         names = snap.layout.names
         chosen = names[: self.histogram_layers] if isinstance(self.histogram_layers, int) else [
             n for n in self.histogram_layers if n in names

@@ -37,7 +37,8 @@ CHARTS: tuple[Chart, ...] = (
     Chart("capture_ms", "cafin/capture_ms", CAFIN, "capture step: factor work inside step() (ms)", ("device", "host"),
           "statistics join + reduction + factor update of a capture step, mean over the window's capture steps; "
           "device: CUDA events (GPU only), host: wall clock"),
-    Chart("update_alloc_mb", "cafin/update_alloc_mb", CAFIN, "memory allocated by one update (MB)", ("live", "baseline"),
+    Chart("update_alloc_mb", "cafin/update_alloc_mb", CAFIN, "memory allocated by one update (MB)",
+          ("live", "baseline"),
           "bytes the update asked the allocator for (allocator counter delta on a GPU; new tensors on a CPU), "
           "on the steps that sample the baseline"),
     Chart("memory_saved_mb", "cafin/memory_saved_mb", CAFIN, "memory saved per update: baseline - live (MB)", (),

@@ -10,12 +10,12 @@ the tag (``cafin/step_ms/live``), since those loggers have no runs.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from torch import Tensor
 
-Samples = dict[tuple[Optional[str], str], float]
+from .observer import Samples
 
 
 class DashboardWriter:

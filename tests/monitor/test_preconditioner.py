@@ -19,7 +19,8 @@ NAMES = {"F_min": "F_min_per_Lambda", "F_max": "F_max_per_Lambda", "lambda_domin
 def random_factors(g, Lambda):
     # values straddling sqrt(Lambda) so that S*H < Lambda holds for part of each layer; one S entry 0
     layers = {}
-    for name, kind, m, n in [("a", "Linear", 7, 13), ("b", "Conv2d", 5, 9), ("c", "Linear", 3, 4), ("d", "LayerNorm", 6, 2)]:
+    shapes = [("a", "Linear", 7, 13), ("b", "Conv2d", 5, 9), ("c", "Linear", 3, 4), ("d", "LayerNorm", 6, 2)]
+    for name, kind, m, n in shapes:
         S = torch.rand(m, generator=g, dtype=torch.float64) * 4 * Lambda**0.5
         H = torch.rand(n, generator=g, dtype=torch.float64) * 4 * Lambda**0.5
         if name == "a":
@@ -63,7 +64,8 @@ def test_two_captures_between_reads_compare_consecutive_captures():
     for layers in (a, b, c):
         health.on_capture(as_factors(layers))
     got = renamed(health.read(1e-3))
-    assert got[ALL_LAYERS]["factor_change"] == pytest.approx(offline_stats(c, 1e-3, previous=b)[ALL_LAYERS]["factor_change"])
+    want = offline_stats(c, 1e-3, previous=b)[ALL_LAYERS]["factor_change"]
+    assert got[ALL_LAYERS]["factor_change"] == pytest.approx(want)
     assert health.read(1e-3) == {}  # read once
 
 

@@ -15,7 +15,8 @@ def test_series_are_runs_for_tensorboard_and_suffixes_elsewhere(tmp_path):
     writer.scalars({("live", "cafin/step_ms"): 1.0, ("baseline", "cafin/step_ms"): 2.0, (None, "cafin/x"): 3.0}, 5)
     writer.close()
     csv.save()
-    runs = {os.path.relpath(os.path.dirname(f), tb.log_dir) for f in glob.glob(f"{tb.log_dir}/**/events.*", recursive=True)}
+    files = glob.glob(f"{tb.log_dir}/**/events.*", recursive=True)
+    runs = {os.path.relpath(os.path.dirname(f), tb.log_dir) for f in files}
     assert {"cafin/live", "cafin/baseline"} <= runs
     header = open(os.path.join(csv.log_dir, "metrics.csv")).readline().strip().split(",")
     assert {"cafin/step_ms/live", "cafin/step_ms/baseline", "cafin/x"} <= set(header)
