@@ -136,6 +136,8 @@ class CAFINCallback(Callback):
             self._handles.append(opt.register_step_observer(monitor))
             self._monitors.append(monitor)
             rank_zero_info(f"CAFINCallback: {opt.summary()}")
+        on_gpu = any(m.capture_cost.on_gpu for m in self._monitors)
+        self._writer.open_series(["live", "baseline", "device", "host"] if on_gpu else ["live", "baseline", "host"])
         self._log_backend(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -192,7 +194,7 @@ class CAFINCallback(Callback):
         rank_zero_info(f"CAFINCallback: backend {names}")
         assert self._writer is not None
         every = self.divergence_every_n_steps
-        sampled = f"every {every} steps" if every else "never (divergence_every_n_steps=0)"
+        sampled = f"at step 1, then every {every} steps" if every else "never (divergence_every_n_steps=0)"
         self._writer.text(TEXT_TAG, f"{names}; divergence compares {self._compared()}, sampled {sampled}",
                           trainer.global_step)
         new = [lg for lg in trainer.loggers if id(lg) not in self._layout_written]

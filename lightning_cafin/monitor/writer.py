@@ -35,6 +35,13 @@ class DashboardWriter:
             self._series_writers[key] = writer
         return writer
 
+    def open_series(self, names: list[str]) -> None:
+        """Create these series' runs now, in this order: TensorBoard colours runs in the order
+        they appear, so the series that share charts (``live``, ``baseline``) get far-apart colours."""
+        for logger in self._tensorboard():
+            for name in names:
+                self._series_writer(logger, name)
+
     def scalars(self, samples: Samples, step: int) -> None:
         plain = {t: v for (series, t), v in samples.items() if series is None}
         for logger in self.loggers:
