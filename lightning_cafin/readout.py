@@ -55,8 +55,6 @@ class Readout:
         """Changes whenever any factor tensor is created or rewritten."""
         return self.binding.version
 
-    _factors_version = factors_version  # the name monitor/shadow.py reads
-
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: ``momentum`` (exp_avg), ``factors``, ``cached_fisher`` (foreach's F), ``total``."""
         momentum = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in self.state.values() if "exp_avg" in s)

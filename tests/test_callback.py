@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_cafin import AdaFisher, AdaFisherW, CAFINCallback, DivergenceError
 from lightning_cafin.backends import ForeachBackend
 from lightning_cafin.capture import hook_count
+from lightning_cafin.monitor.tags import CHARTS, LAYER_TYPES
 
 
 class Module(LightningModule):
@@ -64,32 +65,66 @@ def trainer(tmp_path, callback, **kw):
     )
 
 
-def read_scalars(tmp_path):
+def read_runs(tmp_path):
+    """``{series: {tag: [values]}}`` of every TensorBoard run under ``tmp_path/tb`` ('' is the training run),
+    and the training run's accumulator."""
+    import os
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = glob.glob(str(tmp_path / "tb" / "**" / "events.out.tfevents.*"), recursive=True)
     assert files, "no TensorBoard event file"
-    acc = EventAccumulator(sorted(files)[-1], size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, acc
+    runs, main = {}, None
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        acc = EventAccumulator(folder, size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+        acc.Reload()
+        parts = folder.split(os.sep)
+        series = parts[-1] if parts[-2] == "cafin" else ""
+        runs.setdefault(series, {}).update({t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]})
+        if series == "":
+            main = acc
+    return runs, main
+
+
+def read_scalars(tmp_path):
+    """The training run's scalars and its accumulator."""
+    runs, main = read_runs(tmp_path)
+    return runs[""], main
 
 
 def test_trainer_run_logs_every_metric(tmp_path):
     cb = CAFINCallback(backend="foreach", divergence_every_n_steps=8)
     model = Module()
     trainer(tmp_path, cb).fit(model, loader())
-    scalars, acc = read_scalars(tmp_path)
-    for key in ("step_ms", "step_ms_max", "baseline_step_ms", "capture_ms", "divergence_max_abs",
-                "divergence_rel", "memory_saved_mb", "skipped_steps", "modules_not_fired", "params_f_one"):
-        assert f"cafin/{key}" in scalars, key
-        assert all(math.isfinite(v) for v in scalars[f"cafin/{key}"]), key
-    assert 0 < min(scalars["cafin/step_ms"]) and max(scalars["cafin/step_ms"]) < 1000
-    assert max(scalars["cafin/divergence_rel"]) < 1e-6  # foreach against the reference oracle
-    # after its first step (which allocates its F cache) foreach allocates nothing; the oracle materialises F
-    assert scalars["cafin/memory_saved_mb"][-1] > 0
-    assert scalars["cafin/skipped_steps"][-1] == 0 and scalars["cafin/modules_not_fired"][-1] == 0
+    runs, acc = read_runs(tmp_path)
+    expected = {
+        "live": ("step_ms", "step_ms_max", "update_alloc_mb"), "baseline": ("step_ms", "update_alloc_mb"),
+        "host": ("capture_ms",), "": ("divergence_max_abs", "divergence_rel", "memory_saved_mb", "skipped_steps"),
+        "all_layers": ("precond/F_min_per_Lambda", "precond/F_max_per_Lambda", "precond/lambda_dominated",
+                       "precond/factor_change"),
+        "Conv2d": ("precond/F_max_per_Lambda",), "no_layer": ("precond/f_one",), "not_fired": ("precond/f_one",),
+    }
+    for series, keys in expected.items():
+        for key in keys:
+            values = runs.get(series, {}).get(f"cafin/{key}")
+            assert values, (series, key)
+            assert all(math.isfinite(v) for v in values), (series, key)
+    assert "device" not in runs  # no CUDA events on a CPU: one capture-cost series, the wall clock
+    for chart in CHARTS:  # every tag of the README's table is written, in each of its series
+        for series in chart.series or ("",):
+            if series not in ("device", LAYER_TYPES):
+                assert chart.tag in runs[series], (chart.tag, series)
+    live_ms = runs["live"]["cafin/step_ms"]
+    assert 0 < min(live_ms) and max(live_ms) < 1000
+    main = runs[""]
+    assert max(main["cafin/divergence_rel"]) < 1e-6  # foreach against the reference oracle
+    # foreach allocates nothing after its first step (its F cache); the oracle materialises F every step
+    assert runs["live"]["cafin/update_alloc_mb"][-1] == 0 and runs["baseline"]["cafin/update_alloc_mb"][-1] > 0
+    assert main["cafin/memory_saved_mb"][-1] > 0
+    assert main["cafin/skipped_steps"][-1] == 0 and runs["not_fired"]["cafin/precond/f_one"][-1] == 0
     assert "cafin/backend/text_summary" in acc.Tags()["tensors"]
     assert "custom_scalars__config__" in acc.Tags()["tensors"]  # the dashboard page
+    assert {"cafin/precond/S/net.0", "cafin/precond/H/net.0"} <= set(acc.Tags()["histograms"])
     # teardown removed the hooks
     assert all(hook_count(m) == 0 for m in model.modules())
 
@@ -156,8 +191,8 @@ def test_manual_and_automatic_optimization(tmp_path, manual):
     t = trainer(tmp_path, CAFINCallback(backend="foreach", divergence_every_n_steps=4), max_steps=10)
     t.fit(model, loader())
     assert t.optimizers[0].health["capture_steps"] == 2
-    scalars, _ = read_scalars(tmp_path)
-    assert "cafin/step_ms" in scalars and max(scalars["cafin/divergence_rel"]) < 1e-6
+    runs, _ = read_runs(tmp_path)
+    assert "cafin/step_ms" in runs["live"] and max(runs[""]["cafin/divergence_rel"]) < 1e-6
 
 
 def test_bad_callback_arguments():
@@ -198,9 +233,9 @@ def test_several_optimizers_are_bound_and_logged_apart(tmp_path):
     # unbound at teardown; the factors each one learnt are kept by layer name
     assert set(a.factors()) == {"net.0", "net.1", "net.4", "net.5"} and set(b.factors()) == {"net.6"}
     assert a.health["capture_steps"] == b.health["capture_steps"] == 1
-    scalars, _ = read_scalars(tmp_path)
+    runs, _ = read_runs(tmp_path)
     for suffix in ("/opt0", "/opt1"):
-        assert f"cafin/step_ms{suffix}" in scalars and f"cafin/divergence_rel{suffix}" in scalars
+        assert f"cafin/step_ms{suffix}" in runs["live"] and f"cafin/divergence_rel{suffix}" in runs[""]
 
 
 def test_gradient_clipping_where_lightning_allows_it(tmp_path):

@@ -1,8 +1,15 @@
-"""Measuring the optimizer while it trains: latency, a shadow baseline step, memory, tags."""
+"""Passive monitoring of the optimizer: latency, capture cost, a shadow baseline step,
+memory, the preconditioner's health, and the tags and layout of the dashboard."""
 
-from .memory import TemporaryMemory
+from .capture_cost import CaptureCost
+from .memory import AllocatedMemory
+from .observer import OptimizerMonitor
+from .preconditioner import PreconditionerHealth
 from .shadow import Divergence, Snapshot, take_snapshot
-from .tags import TAGS, custom_scalars_layout
+from .tags import CHARTS, custom_scalars_layout
 from .timing import StepTimer
 
-__all__ = ["Divergence", "Snapshot", "StepTimer", "TAGS", "TemporaryMemory", "custom_scalars_layout", "take_snapshot"]
+__all__ = [
+    "AllocatedMemory", "CHARTS", "CaptureCost", "Divergence", "OptimizerMonitor", "PreconditionerHealth", "Snapshot",
+    "StepTimer", "custom_scalars_layout", "take_snapshot",
+]

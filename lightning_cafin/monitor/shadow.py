@@ -53,17 +53,20 @@ def take_snapshot(opt) -> Snapshot:
     return snap
 
 
-def replay(opt, snap: Snapshot, backend: StepBackend) -> None:
-    """Apply the update to the snapshot's copies with ``backend`` and the optimizer's current factors."""
+def replay(opt, snap: Snapshot, backend: StepBackend, found_inf: Optional[Tensor] = None) -> None:
+    """Apply the update to the snapshot's copies with ``backend`` and the optimizer's current factors.
+
+    ``found_inf`` is the live step's loss-scaler flag: a step the live update skipped on
+    the device is skipped by the baseline too (the baseline may read it on the host)."""
     for gi, group in enumerate(opt.param_groups):
         mine = [e for e in snap.entries if e.group == gi]
         if not mine:
             continue
         batch = StepBatch(
             [e.param for e in mine], [e.grad for e in mine], [e.exp_avg for e in mine], [e.step for e in mine],
-            [opt.fisher_view(e.live) for e in mine], opt._factors_version,
+            [opt.fisher_view(e.live) for e in mine], opt.factors_version,
         )
-        backend.step(batch, opt.hyper(group), snap.grad_scale, None)
+        backend.step(batch, opt.hyper(group), snap.grad_scale, found_inf)
 
 
 def divergence(snap: Snapshot) -> Divergence:
