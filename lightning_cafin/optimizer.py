@@ -27,14 +27,14 @@ from .capture.distributed import all_reduce_pending
 from .capture.factors import CaptureReport, update_factors
 from .capture import streams as capture_streams
 from .capture.hooks import LayerCapture, attach, detach
-from .capture.layers import ParamSlot, rule_for
+from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 from .skips import DeferredSkips
 
 log = logging.getLogger("lightning_cafin")
 
 _STATE_KEY = "cafin"
 _STATE_FORMAT = 1
-_KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend"]
+_KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend", "layers"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
 
@@ -81,10 +81,12 @@ class _AdaFisherBase(Optimizer):
         weight_decay: float = 0.0,
         *,
         backend: str = "auto",
+        layers: str = "all",
         **kwargs: Any,
     ) -> None:
         reject_unknown_kwargs(type(self).__name__, kwargs, _KNOWN_ARGS)
         check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay)
+        self._layers = check_layers(layers)
         model = params if isinstance(params, nn.Module) else None
         if model is not None:
             params = list(model.parameters())
@@ -100,6 +102,8 @@ class _AdaFisherBase(Optimizer):
         self._slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
         self._param_names: dict[int, str] = {}
         self._model: Optional[nn.Module] = None
+        #: bound modules on F = 1 for a reason (used functionally, hooks cannot see them): name -> reason
+        self._unseen: dict[str, str] = {}
         self._saved_factors: dict[str, dict[str, Tensor]] = {}
         self._global_step = 0  # steps taken; provisional by the skip flags still in flight
         self._skips = DeferredSkips()
@@ -184,8 +188,8 @@ class _AdaFisherBase(Optimizer):
         self._pair(model, warn_on_takeover)
         if not self._captures:
             warnings.warn(
-                f"{type(self).__name__}: {type(model).__name__} has no supported layer (Linear, Conv2d, "
-                "BatchNorm2d, LayerNorm) among the optimizer's parameters; every parameter uses F = 1",
+                f"{type(self).__name__}: {type(model).__name__} has no supported layer (layers={self._layers!r}: "
+                "see lightning_cafin.capture.layers) among the optimizer's parameters; every parameter uses F = 1",
                 stacklevel=2,
             )
         return self
@@ -208,9 +212,14 @@ class _AdaFisherBase(Optimizer):
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
         captures: dict[str, LayerCapture] = {}
+        unseen = {**unseen_parameters(model), **getattr(self, "_unseen", {})}
+        self._unseen = {}
         for name, module in model.named_modules():
-            rule = rule_for(module)
+            rule = rule_for(module, getattr(self, "_layers", "all"))
             if rule is None:
+                continue
+            if name in unseen:
+                self._unseen[name] = unseen[name]
                 continue
             mine = []
             for slot in rule.slots(module):
@@ -284,7 +293,11 @@ class _AdaFisherBase(Optimizer):
             f"{type(self).__name__} [{self.backend}]: {pre_t} parameter tensors ({pre_n:,} elements) in "
             f"{len(self._captures)} layers are preconditioned; {one_t} tensors ({one_n:,} elements) use F = 1"
         )
-        return text + (f" ({shown})" if plain else "")
+        text += f" ({shown})" if plain else ""
+        if self._unseen:
+            text += "; on F = 1 because hooks cannot see them: " + "; ".join(
+                f"{name} ({reason})" for name, reason in self._unseen.items())
+        return text
 
     # -------------------------------------------------------------------- step
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -393,6 +406,11 @@ class _AdaFisherBase(Optimizer):
         self._settle_capture_report()
         self._health["capture_steps"] += 1
         trainable = [n for n in report.not_fired if any(p.requires_grad for p in self._captures[n].module.parameters(recurse=False))]
+        functional = [n for n in trainable if self._captures[n].S is None
+                      and any(p.grad is not None for p in self._captures[n].module.parameters(recurse=False))]
+        if functional:  # gradients but no hook call: the owner uses the weights functionally
+            self._unbind_unseen(functional)
+            trainable = [n for n in trainable if n not in functional]
         self._health["modules_not_fired"] = trainable
         # Which layers had NaN statistics is decided on the device by the capture kernels;
         # reading it now would make every capture step wait for the GPU, so it is read when
@@ -407,6 +425,21 @@ class _AdaFisherBase(Optimizer):
                 "its factors were not updated (F = 1 until they are)" if self._captures[name].S is None else
                 f"no training forward/backward reached {name!r} before a capture step; its factors were kept",
             )
+
+    def _unbind_unseen(self, names: list[str]) -> None:
+        """Move layers whose parameters get gradients although their hooks never fire to
+        F = 1, with the reason, reported once by ``summary()`` instead of a warning per capture."""
+        for name in names:
+            cap = self._captures.pop(name)
+            detach(cap)
+            self._unseen[name] = ("its parameters get gradients but its forward hooks never fired: used "
+                                  "functionally, e.g. F.linear(x, module.weight)")
+            for key in [k for k, (c, _) in self._slots.items() if c is cap]:
+                del self._slots[key]
+        self._replan()
+        self._summary = self.summary()
+        self._health["params_f_one"] = sum(1 for g in self.param_groups for p in g["params"] if id(p) not in self._slots)
+        log.info(self._summary)
 
     @property
     def health(self) -> dict[str, Any]:
@@ -438,10 +471,11 @@ class _AdaFisherBase(Optimizer):
         if entry is None or entry[0].S is None:
             return None
         cap, slot = entry
-        if cap.S.numel() * slot.ncols != p.numel():
+        rows, cols, col_offset, ncols = slot.factor_layout(cap.S, cap.H)
+        if rows.numel() * ncols != p.numel() or col_offset + ncols > cols.numel():
             self._warn_once(f"shape:{cap.name}", f"factors of {cap.name!r} do not fit {self._name(p)}; using F = 1")
             return None
-        return FactorView(cap.S, cap.H, slot.col_offset, slot.ncols)
+        return FactorView(rows, cols, col_offset, ncols)
 
     def hyper(self, group: dict) -> StepHyper:
         """The update's hyper-parameters for one param group."""
