@@ -204,6 +204,12 @@ class _AdaFisherBase(Optimizer):
         self._replan()
 
     @property
+    def unseen_layers(self) -> dict[str, str]:
+        """Supported layers left on F = 1 because their hooks cannot see them (their owner uses
+        the weights functionally), with the reason: ``{module name: reason}`` (a copy)."""
+        return dict(self._unseen)
+
+    @property
     def is_bound(self) -> bool:
         return self._model is not None
 

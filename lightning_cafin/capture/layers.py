@@ -20,7 +20,10 @@ Two built-in rule sets, chosen with ``layers=`` on the optimizer:
 
 A module type is never guessed from its shape or attributes alone: a ``LayerNorm``
 subclass with its own ``forward`` that is not in the lists gets F = 1 (register it to
-precondition it), because its layout cannot be told from the module.
+precondition it), because its layout cannot be told from the module.  Norm modules that
+apply an activation after normalising (timm's ``BatchNormAct2d``, ``GroupNormAct``) get
+F = 1 too, unless the activation is ``nn.Identity``: hooks see only the activation's
+output gradient, not the norm's.
 """
 
 from __future__ import annotations
@@ -126,7 +129,18 @@ def _own_forward(module: nn.Module, base: type) -> bool:
     return type(module).forward is not base.forward
 
 
+def fused_activation(module: nn.Module) -> bool:
+    """Whether a norm module applies an activation or dropout after normalising (timm's
+    ``BatchNormAct2d``, ``GroupNormAct``, ``LayerNormAct``): its output gradient is not the
+    norm's, so the norm rules would be wrong for it."""
+    return any(isinstance(getattr(module, attr, None), nn.Module) and not isinstance(getattr(module, attr), nn.Identity)
+               for attr in ("act", "drop"))
+
+
 def _builtin_rule(module: nn.Module) -> Optional[LayerRule]:
+    norm_types = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
+    if isinstance(module, norm_types) and fused_activation(module):
+        return None  # normalisation + activation in one module: the output gradient is the activation's
     names = {qualified_name(c) for c in type(module).__mro__}
     if names & TRANSPOSED_LINEARS:
         return LINEAR_TRANSPOSED
