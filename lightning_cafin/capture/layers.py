@@ -210,3 +210,8 @@ RULES: tuple[LayerRule, ...] = (LINEAR, LINEAR_TRANSPOSED, *CONV.values(), BATCH
 
 __all__ = ["KernelPlan", "LAYER_SETS", "LayerRule", "ParamSlot", "RULES", "register_layer", "rule_for",
            "unregister_layer", "unseen_parameters"]
+
+
+def Conv2dRule() -> ConvRule:  # noqa: N802 (the former class name)
+    """The built-in Conv2d rule (the name of its class before the N-d rules; kept for scripts)."""
+    return CONV[2]

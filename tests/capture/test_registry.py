@@ -319,3 +319,20 @@ def test_unseen_parameters_are_reported_once_in_the_summary(net, name):
     assert f"{name} (" in summary and "hooks cannot see" in summary
     assert opt.health["modules_not_fired"] == []
     assert opt.fisher_view(model.head.weight) is not None
+
+
+def test_custom_layer_example_registers_two_layers_and_learns():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "custom_layer.py"
+    spec_ = importlib.util.spec_from_file_location("custom_layer_example", path)
+    example = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(example)
+    try:
+        result = example.main(["--steps", "60"])
+    finally:
+        unregister_layer(example.InOutLinear)
+        unregister_layer(example.LayerScale)
+    assert set(result["preconditioned"]) == {"inp.weight", "inp.bias", "scale.gamma", "out.weight", "out.bias"}
+    assert result["last_loss"] < 0.5 * result["first_loss"]
