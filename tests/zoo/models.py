@@ -112,7 +112,7 @@ ZOO: dict[str, tuple[str, Callable]] = {
                                   num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
                                   max_position_embeddings=16, **HF_SMALL)),
     "T5": ("transformers", _hf("T5Config", "T5ForConditionalGeneration", num_layers=2, d_model=32, d_ff=64, d_kv=16,
-                               num_heads=2, decoder_start_token_id=0, **HF_SMALL)),
+                               num_heads=2, decoder_start_token_id=0, dropout_rate=0.0, **HF_SMALL)),
     "ViT": ("torchvision", _vision(_tv_vit)),
     "Swin": ("torchvision", _vision(_tv_swin)),
     "ConvNeXt (torchvision)": ("torchvision", _vision(_tv_convnext)),
