@@ -1,7 +1,8 @@
 """Convolution geometry shared by the capture rules and the oracle.
 
 Both must see exactly the patches the convolution itself sees (integer, ``'valid'`` and
-``'same'`` padding, dilation, non-zero padding modes), so the geometry lives in one place.
+``'same'`` padding, dilation, non-zero padding modes), for 1-, 2- and 3-D convolutions,
+so the geometry lives in one place.
 """
 
 from __future__ import annotations
@@ -10,32 +11,44 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def conv_padding(module: nn.Conv2d) -> tuple[int, int, int, int]:
-    """The (left, right, top, bottom) zero padding the convolution really applies.
+def conv_pads(module: nn.modules.conv._ConvNd) -> list[tuple[int, int]]:
+    """(before, after) zero padding per spatial dim, in dim order.
 
     Integer padding is symmetric; ``'valid'`` is none; ``'same'`` pads
-    ``dilation*(k-1)`` in total, the extra element on the right/bottom, as PyTorch does.
+    ``dilation*(k-1)`` in total, the extra element after, as PyTorch does.
     """
     pad = module.padding
     if isinstance(pad, str):
         if pad == "valid":
-            return (0, 0, 0, 0)
+            return [(0, 0)] * len(module.kernel_size)
         totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
-        top, left = totals[0] // 2, totals[1] // 2
-        return (left, totals[1] - left, top, totals[0] - top)
-    return (pad[1], pad[1], pad[0], pad[0])
+        return [(t // 2, t - t // 2) for t in totals]
+    return [(p, p) for p in pad]
 
 
-def conv_output_hw(module: nn.Conv2d, in_hw: tuple[int, int]) -> tuple[int, int]:
-    left, right, top, bottom = conv_padding(module)
-    padded = (in_hw[0] + top + bottom, in_hw[1] + left + right)
+def conv_padding(module: nn.modules.conv._ConvNd) -> tuple[int, ...]:
+    """The padding in ``F.pad`` order (last dim first): ``(left, right, top, bottom)`` for 2-D."""
+    out: list[int] = []
+    for before, after in reversed(conv_pads(module)):
+        out += [before, after]
+    return tuple(out)
+
+
+def conv_output_size(module: nn.modules.conv._ConvNd, in_size: tuple[int, ...]) -> tuple[int, ...]:
+    """The output's spatial size for an input of spatial size ``in_size``."""
     return tuple(
-        (size - d * (k - 1) - 1) // st + 1
-        for size, d, k, st in zip(padded, module.dilation, module.kernel_size, module.stride)
+        (size + before + after - d * (k - 1) - 1) // st + 1
+        for size, (before, after), d, k, st in zip(
+            in_size, conv_pads(module), module.dilation, module.kernel_size, module.stride
+        )
     )
 
 
-def pad_like_conv(module: nn.Conv2d, x: Tensor) -> Tensor:
+def conv_output_hw(module: nn.Conv2d, in_hw: tuple[int, int]) -> tuple[int, int]:
+    return conv_output_size(module, in_hw)  # type: ignore[return-value]
+
+
+def pad_like_conv(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     """The input as the kernel sees it: padded with the module's padding mode."""
     pads = conv_padding(module)
     if not any(pads):

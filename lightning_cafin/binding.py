@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .backends import FactorView
 from .capture.hooks import LayerCapture, attach, detach
-from .capture.layers import ParamSlot, rule_for
+from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,13 @@ class LayerBinding:
     reports a problem once per optimizer.
     """
 
-    def __init__(self, owner: str, is_capturing: Callable[[], bool], warn_once: Callable[..., None]) -> None:
+    def __init__(self, owner: str, is_capturing: Callable[[], bool], warn_once: Callable[..., None],
+                 layers: str = "all") -> None:
         self.owner = owner
+        #: which layer types get factors: ``"all"`` (every built-in and registered type) or ``"paper"``
+        self.layers = check_layers(layers)
+        #: bound modules left on F = 1 because hooks cannot see them: module name -> reason
+        self._unseen: dict[str, str] = {}
         self._is_capturing = is_capturing
         self._warn_once = warn_once
         self._captures: dict[str, LayerCapture] = {}
@@ -91,6 +96,11 @@ class LayerBinding:
     def captures(self) -> Mapping[str, LayerCapture]:
         """The bound layers by module name (a read-only view)."""
         return MappingProxyType(self._captures)
+
+    @property
+    def unseen(self) -> dict[str, str]:
+        """Supported layers on F = 1 because their hooks cannot see them, with the reason (a copy)."""
+        return dict(self._unseen)
 
     def preconditioned(self, p: Tensor) -> bool:
         """Whether ``p`` belongs to a bound layer (it reads ``F`` once that layer has factors)."""
@@ -112,10 +122,11 @@ class LayerBinding:
         cap, slot = entry
         if cap.S is None or cap.H is None:
             return None
-        if cap.S.numel() * slot.ncols != p.numel():
+        rows, cols, col_offset, ncols = slot.factor_layout(cap.S, cap.H)
+        if rows.numel() * ncols != p.numel() or col_offset + ncols > cols.numel():
             self._warn_once(f"shape:{cap.name}", f"factors of {cap.name!r} do not fit {self.param_name(p)}; using F = 1")
             return None
-        return FactorView(cap.S, cap.H, slot.col_offset, slot.ncols)
+        return FactorView(rows, cols, col_offset, ncols)
 
     def factors(self) -> dict[str, LayerFactors]:
         """Every layer's factors by module name: the bound layers' live tensors, then those
@@ -156,9 +167,13 @@ class LayerBinding:
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         slots: dict[int, tuple[LayerCapture, ParamSlot]] = {}
         captures: dict[str, LayerCapture] = {}
+        unseen, self._unseen = {**unseen_parameters(model), **self._unseen}, {}
         for name, module in model.named_modules():
-            rule = rule_for(module)
+            rule = rule_for(module, self.layers)
             if rule is None:
+                continue
+            if name in unseen:
+                self._unseen[name] = unseen[name]
                 continue
             mine = []
             for slot in rule.slots(module):
@@ -186,6 +201,18 @@ class LayerBinding:
                 )
         self._captures, self._slots = captures, slots
         self._restore_kept()
+
+    def unbind_unseen(self, names: Iterable[str]) -> None:
+        """Move layers whose parameters get gradients although their hooks never fire to
+        F = 1, with the reason (reported once by ``summary()``, not warned at every capture)."""
+        for name in names:
+            cap = self._captures.pop(name)
+            detach(cap)
+            self._unseen[name] = ("its parameters get gradients but its forward hooks never fired: used "
+                                  "functionally, e.g. F.linear(x, module.weight)")
+            for key in [k for k, (c, _) in self._slots.items() if c is cap]:
+                del self._slots[key]
+        self.version += 1
 
     def discard_pending(self) -> None:
         """Drop the statistics gathered since the last step (a skipped or non-capture step)."""
@@ -231,8 +258,8 @@ class LayerBinding:
 def warn_if_nothing_bound(binding: LayerBinding, model: nn.Module) -> None:
     if not binding.captures:
         warnings.warn(
-            f"{binding.owner}: {type(model).__name__} has no supported layer (Linear, Conv2d, BatchNorm2d, "
-            "LayerNorm) among the optimizer's parameters; every parameter uses F = 1",
+            f"{binding.owner}: {type(model).__name__} has no supported layer (layers={binding.layers!r}: see "
+            "lightning_cafin.capture.layers) among the optimizer's parameters; every parameter uses F = 1",
             stacklevel=3,
         )
 

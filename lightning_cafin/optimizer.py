@@ -31,6 +31,7 @@ from .binding import LayerBinding, LayerFactors, offered_model, register_model_p
 from .capture import streams as capture_streams
 from .capture.distributed import all_reduce_pending
 from .capture.factors import update_factors
+from .capture.layers import check_layers
 from .capture_options import CaptureOptions
 from .health import Health
 from .observers import Observers, StepObserver
@@ -41,7 +42,7 @@ log = logging.getLogger("lightning_cafin")
 
 _STATE_KEY = "cafin"
 _STATE_FORMAT = 1
-_KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend", "capture", "capture_stream"]
+_KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend", "capture", "capture_stream", "layers"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
 
@@ -56,10 +57,12 @@ class _AdaFisherBase(Readout, Optimizer):
 
     def __init__(self, params: Params, lr: Union[float, Tensor] = 1e-3, beta: float = 0.9, gamma: float = 0.8,
                  Lambda: float = 1e-3, TCov: int = 100, weight_decay: float = 0.0, *, backend: Union[str, StepBackend] = "auto",
-                 capture: Optional[str] = None, capture_stream: Optional[bool] = None, **kwargs: Any) -> None:
+                 capture: Optional[str] = None, capture_stream: Optional[bool] = None, layers: str = "all",
+                 **kwargs: Any) -> None:
         reject_unknown_kwargs(type(self).__name__, kwargs, _KNOWN_ARGS)
         check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay)
         self.capture_options = CaptureOptions.checked(capture, capture_stream)
+        self._layers = check_layers(layers)
         model = params if isinstance(params, nn.Module) else None
         if model is not None:
             params = list(model.parameters())
@@ -74,7 +77,7 @@ class _AdaFisherBase(Readout, Optimizer):
         owner = type(self).__name__
         self._health = Health(owner)
         self.schedule = CaptureSchedule(every)
-        self.binding = LayerBinding(owner, self._capturing_now, self._health.warn_once)
+        self.binding = LayerBinding(owner, self._capturing_now, self._health.warn_once, getattr(self, "_layers", "all"))
         self._dispatch = StepDispatcher(ForeachBackend(), ForeachBackend())
         self._observers = Observers()
         self._summary: Optional[str] = None  # written at the first step after (re)pairing
@@ -170,6 +173,14 @@ class _AdaFisherBase(Readout, Optimizer):
         self.binding.version += 1
         by_name = self.binding.captures
         trainable = [n for n in report.not_fired if any(p.requires_grad for p in by_name[n].module.parameters(recurse=False))]
+        functional = [n for n in trainable if by_name[n].S is None
+                      and any(p.grad is not None for p in by_name[n].module.parameters(recurse=False))]
+        if functional:  # gradients but no hook call: the owner uses the weights functionally
+            self.binding.unbind_unseen(functional)
+            trainable = [n for n in trainable if n not in functional]
+            self._summary = self.summary()
+            self._health.params_f_one = sum(1 for p in self._all_params() if not self.binding.preconditioned(p))
+            log.info(self._summary)
         self._health.record_capture(report, trainable, {n: by_name[n].S is not None for n in trainable})
 
     def _plan(self, index: int, group: dict) -> GroupPlan:
@@ -322,6 +333,9 @@ class AdaFisher(_AdaFisherBase):
             (``None``: the process default, ``$LIGHTNING_CAFIN_CAPTURE`` or ``auto``).
         capture_stream: statistics on a side CUDA stream (``True``) or the current one
             (``False``); ``None``: the process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or on).
+        layers: which layer types get factors: ``"all"`` (every built-in type and those added
+            with ``lightning_cafin.register_layer``) or ``"paper"`` (exactly the authors' four:
+            Linear, Conv2d, BatchNorm2d, LayerNorm, bit-equal to their code).
     """
 
     _decoupled = False

@@ -73,8 +73,18 @@ class Readout:
 
     def summary(self) -> str:
         """One paragraph: how many parameters are preconditioned and how many use F = 1."""
-        return summary_text(f"{type(self).__name__} [{self.backend}]", self.param_groups, len(self.binding.captures),
+        text = summary_text(f"{type(self).__name__} [{self.backend}]", self.param_groups, len(self.binding.captures),
                             self.binding.preconditioned, self.param_name)
+        unseen = self.binding.unseen
+        if unseen:
+            text += "; on F = 1 because hooks cannot see them: " + "; ".join(f"{n} ({why})" for n, why in unseen.items())
+        return text
+
+    @property
+    def unseen_layers(self) -> dict[str, str]:
+        """Supported layers left on F = 1 because their hooks cannot see them (their owner uses
+        the weights functionally), with the reason: ``{module name: reason}`` (a copy)."""
+        return self.binding.unseen
 
     def param_name(self, p: Tensor) -> str:
         """``p``'s name in the bound model, else its place in the param groups."""

@@ -24,7 +24,7 @@ def _float(t: Tensor) -> Tensor:
     return t.double() if t.dtype == torch.float64 else t.float()
 
 
-def linear_stats(module: nn.Linear, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+def linear_stats(module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """(H_raw, S_raw) of a Linear layer: the ones column appended for the bias."""
     x = _float(x).reshape(-1, x.shape[-1])
     s = _float(s).reshape(-1, s.shape[-1])
@@ -55,6 +55,32 @@ def conv2d_stats(module: nn.Conv2d, x: Tensor, s: Tensor) -> tuple[Tensor, Tenso
     return H, (s * s).sum((0, 2, 3)) / (B * L)
 
 
+def conv_patches(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+    """The im2col patch matrix of a 1-, 2- or 3-D convolution: rows (b, group, position),
+    columns (c within group, k...), as the weight is flattened."""
+    nd = len(module.kernel_size)
+    x = pad_like_conv(module, _float(x))
+    for i, (k, d, st) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, st)  # (B, C, O..., extent...)
+    x = x[(...,) + tuple(slice(None, None, d) for d in module.dilation)]  # (B, C, O..., k...)
+    B, C, g = x.shape[0], x.shape[1], module.groups
+    L = math.prod(x.shape[2 : 2 + nd])
+    x = x.reshape(B, g, C // g, L, -1).permute(0, 1, 3, 2, 4)  # (B, g, L, C/g, prod k)
+    return x.reshape(B * g * L, -1)
+
+
+def conv_stats(module: nn.modules.conv._ConvNd, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """(H_raw, S_raw) of a 1-, 2- or 3-D convolution, through the explicit patch matrix."""
+    patches = conv_patches(module, x)
+    if module.bias is not None:
+        patches = torch.cat([patches, patches.new_ones(patches.shape[0], 1)], 1)
+    B, L = x.shape[0], math.prod(s.shape[2:])
+    K = (module.in_channels // module.groups) * math.prod(module.kernel_size)
+    H = (patches * patches).sum(0) / (B * L * K)
+    s = _float(s)
+    return H, (s * s).sum((0,) + tuple(range(2, s.dim()))) / (B * L)
+
+
 def batchnorm2d_stats(module: nn.BatchNorm2d, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     x, s = _float(x), _float(s)
     B, C = x.shape[0], x.shape[1]
@@ -64,8 +90,25 @@ def batchnorm2d_stats(module: nn.BatchNorm2d, x: Tensor, s: Tensor) -> tuple[Ten
     return H, ssum * ssum / B
 
 
-def layernorm_stats(module: nn.LayerNorm, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+def layernorm_stats(module: nn.Module, x: Tensor, s: Tensor, channels_first: bool = False) -> tuple[Tensor, Tensor]:
+    """(H_raw, S_raw) of a LayerNorm (any normalised shape) or an RMSNorm (the same two ``H``
+    entries; it has no bias to read the second).
+
+    The input is seen as ``(..., N)``, the ``N = weight.numel()`` normalised elements last
+    (flattened); a channels-first layer (``N x C x H x W`` normalised over ``C``) is
+    ``permute -> LayerNorm -> permute``, so it is first permuted channels-last.  Then the
+    paper's LayerNorm: ``a`` sums every dim but dim 1, divided by the squared product of the
+    dims after dim 1; ``S`` sums every dim but the last.
+    """
     x, s = _float(x), _float(s)
+    if channels_first:
+        x, s = x.movedim(1, -1), s.movedim(1, -1)
+    weight = module.weight
+    assert isinstance(weight, Tensor)
+    shape = tuple(weight.shape)
+    if len(shape) > 1:
+        x = x.reshape(*x.shape[: x.dim() - len(shape)], -1)
+        s = s.reshape(*s.shape[: s.dim() - len(shape)], -1)
     dims = [d for d in range(x.dim()) if d != 1]
     dn = math.prod(x.shape[d] for d in dims if d != 0)
     a = x.sum(dims) / dn**2
@@ -75,17 +118,40 @@ def layernorm_stats(module: nn.LayerNorm, x: Tensor, s: Tensor) -> tuple[Tensor,
     return H, ssum * ssum / s.shape[0]
 
 
-def raw_stats(module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """(H_raw, S_raw) of any supported module from its input ``x`` and output gradient ``s``."""
-    if isinstance(module, nn.Linear):
-        return linear_stats(module, x, s)
+def channel_norm_stats(module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """(H_raw, S_raw) of a per-channel norm of any rank (BatchNorm1d/2d/3d, SyncBatchNorm,
+    GroupNorm): the BatchNorm2d definition with the spatial size the product of the dims
+    after the channel dim (1 for a ``(B, C)`` input)."""
+    x, s = _float(x), _float(s)
+    B, C = x.shape[0], x.shape[1]
+    spatial = tuple(range(2, x.dim()))
+    a = x.sum((0,) + spatial) / math.prod(x.shape[2:]) ** 2
+    H = torch.stack([(a * a).sum() / B**2, x.new_tensor(C / B**2)])
+    ssum = s.sum((0,) + tuple(range(2, s.dim())))
+    return H, ssum * ssum / B
+
+
+def raw_stats(module: nn.Module, x: Tensor, s: Tensor, channels_first: bool = False) -> tuple[Tensor, Tensor]:
+    """(H_raw, S_raw) of a built-in module type from its input ``x`` and output gradient ``s``.
+
+    ``channels_first``: a LayerNorm / RMSNorm that normalises dim 1 (which one is, is a
+    property of its class, see ``capture/layers.py``).  Linear-like layers with a transposed
+    weight have the same statistics as ``nn.Linear``.
+    """
+    if isinstance(module, (nn.Conv1d, nn.Conv3d)):
+        return conv_stats(module, x, s)
     if isinstance(module, nn.Conv2d):
         return conv2d_stats(module, x, s)
     if isinstance(module, nn.BatchNorm2d):
         return batchnorm2d_stats(module, x, s)
-    if isinstance(module, nn.LayerNorm):
-        return layernorm_stats(module, x, s)
-    raise TypeError(f"{type(module).__name__} has no AdaFisher factors")
+    if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm)):
+        return channel_norm_stats(module, x, s)
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return layernorm_stats(module, x, s, channels_first)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.dim() == 2:
+        return linear_stats(module, x, s)
+    raise TypeError(f"{type(module).__name__} has no built-in AdaFisher factors")
 
 
 def normalise(v: Tensor) -> Tensor:

@@ -109,3 +109,57 @@ def test_reference_step_by_hand(decoupled):
     assert k.item() == 1
     assert torch.allclose(m, m_new, rtol=1e-15, atol=0)
     assert torch.allclose(p, expect, rtol=1e-14, atol=0)
+
+
+# ---------------------------------------------------------------- the generalised rules
+
+
+def test_conv1d_window_sums_by_hand():
+    layer = nn.Conv1d(1, 1, 2, bias=True).double()
+    x = torch.tensor([[[1.0, 2.0, 3.0]]], dtype=D)  # B=1, C=1, L=3 -> windows (1,2), (2,3): L_out=2
+    s = torch.tensor([[[1.0, 2.0]]], dtype=D)
+    H, S = spec.conv_stats(layer, x, s)
+    # tap 0: 1 + 4, tap 1: 4 + 9; B*L*K = 1*2*2; bias g/K = 1/2
+    assert torch.allclose(H, t(5 / 4, 13 / 4, 1 / 2), rtol=0, atol=1e-15)
+    assert torch.equal(S, t(5 / 2))
+
+
+def test_conv3d_window_sums_by_hand():
+    layer = nn.Conv3d(1, 1, (2, 1, 1), bias=False).double()
+    x = torch.arange(1.0, 5.0, dtype=D).reshape(1, 1, 2, 1, 2)  # depth 2, 1x2 -> L_out = 1*1*2, K = 2
+    s = torch.ones(1, 1, 1, 1, 2, dtype=D)
+    H, S = spec.conv_stats(layer, x, s)
+    # tap d=0 sees 1, 2; tap d=1 sees 3, 4; B*L*K = 4
+    assert torch.allclose(H, t(5 / 4, 25 / 4), rtol=0, atol=1e-15)
+    assert torch.equal(S, t(1.0))
+
+
+def test_batchnorm1d_and_groupnorm_by_hand():
+    x = t([1.0, 2.0], [3.0, 5.0])  # (B=2, C=2): spatial size 1
+    s = t([1.0, -1.0], [2.0, 1.0])
+    H, S = spec.channel_norm_stats(nn.BatchNorm1d(2).double(), x, s)
+    # a = column sums = (4, 7); H = [(16 + 49) / 4, 2 / 4]; S = (3, 0)^2 / 2
+    assert torch.equal(H, t(65 / 4, 0.5))
+    assert torch.equal(S, t(4.5, 0.0))
+    x3 = torch.tensor([[[1.0, 3.0]], [[2.0, 2.0]]], dtype=D)  # (B=2, C=1, L=2)
+    H3, _ = spec.channel_norm_stats(nn.GroupNorm(1, 1).double(), x3, torch.ones_like(x3))
+    assert torch.equal(H3, t((8 / 4) ** 2 / 4, 1 / 4))
+
+
+def test_channels_first_layernorm_by_hand():
+    layer = nn.LayerNorm(2).double()
+    x = torch.tensor([[[[1.0]], [[2.0]]]], dtype=D)  # (N=1, C=2, 1, 1)
+    s = torch.tensor([[[[3.0]], [[-1.0]]]], dtype=D)
+    H, S = spec.layernorm_stats(layer, x, s, channels_first=True)
+    # permuted (1, 1, 1, 2): a sums dims (0, 2, 3) -> one entry 3, dn = 1*2 -> a = 3/4
+    assert torch.equal(H, t((3 / 4) ** 2, 1.0))
+    assert torch.equal(S, t(9.0, 1.0))  # one entry per channel
+
+
+def test_layernorm_over_two_dims_flattens_them():
+    layer = nn.LayerNorm((1, 2)).double()
+    x = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]], dtype=D)  # (B=2, 1, 2) -> (2, 2)
+    s = torch.tensor([[[1.0, 2.0]], [[3.0, -1.0]]], dtype=D)
+    H, S = spec.layernorm_stats(layer, x, s)
+    assert torch.equal(H, t((16 + 36) / 4, 2 / 4))
+    assert torch.equal(S, t(16 / 2, 1 / 2))

@@ -1,7 +1,12 @@
-"""Factor capture: supported layers, hooks, and the capture-step factor update."""
+"""Factor capture: supported layers and their rules, hooks, and the capture-step factor update."""
 
 from .factors import update_factors
 from .hooks import LayerCapture, hook_count
-from .layers import RULES, LayerRule, ParamSlot, rule_for
+from .layers import RULES, register_layer, registered_layers, rule_for, unregister_layer
+from .rules import ChannelNormRule, ConvRule, FeatureNormRule, KernelPlan, LayerRule, LinearRule, ParamSlot
 
-__all__ = ["LayerCapture", "LayerRule", "ParamSlot", "RULES", "hook_count", "rule_for", "update_factors"]
+__all__ = [
+    "ChannelNormRule", "ConvRule", "FeatureNormRule", "KernelPlan", "LayerCapture", "LayerRule", "LinearRule",
+    "ParamSlot", "RULES", "hook_count", "register_layer", "registered_layers", "rule_for", "unregister_layer",
+    "update_factors",
+]

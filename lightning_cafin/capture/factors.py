@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from . import kernels as _kernels
 from .hooks import LayerCapture, PendingStats
-from .layers import Conv2dRule, LinearRule, _TwoColumnRule
+from .rules.base import KernelPlan
 
 NORM_EPS = 1e-6
 
@@ -128,17 +129,38 @@ class CaptureReport:
         return [n for n in self._order if (n in nan) == want_nan]
 
 
-def _kernel_plan(cap: LayerCapture, pending: PendingStats):
-    """(kind, h_div, extra, append) for a layer the kernel can update, else None."""
-    rule, module = cap.rule, cap.module
-    if isinstance(rule, _TwoColumnRule):
-        hn = pending.hn
-        return 1, hn**2, pending.h.numel() / hn**2, False
-    if isinstance(rule, LinearRule):
-        return 0, pending.hn, 1.0, module.bias is not None
-    if isinstance(rule, Conv2dRule):
-        return 0, pending.hn, module.groups / rule._k(module), module.bias is not None
-    return None
+@dataclass
+class _KernelJob:
+    """One layer the factor-update kernel finalises and folds (see ``KernelPlan``)."""
+
+    cap: LayerCapture
+    h: Tensor
+    s: Tensor
+    H: Tensor  # the stored factors, or fresh buffers when ``init``
+    S: Tensor
+    plan: KernelPlan
+    flags: int  # 1: append the extra column, 2: initialise the factors, 4: divide out the loss scale
+    s_div: float
+    s_scale: float
+    init: bool
+
+
+def _kernel_job(cap: LayerCapture, pending: PendingStats, plan: KernelPlan,
+                grad_scale: Optional[float]) -> _KernelJob:
+    nH, ns = plan.h_size(pending.h), pending.s.numel()
+    init = cap.H is None or cap.H.shape != (nH,) or cap.S.shape != (ns,) or cap.H.dtype != torch.float32
+    flags = (1 if plan.append else 0) | (2 if init else 0)
+    scale = 1.0
+    if grad_scale is not None and grad_scale != 1.0:
+        flags |= 4
+        scale = grad_scale**cap.rule.s_scale_power
+    if init:
+        H = torch.empty(nH, device=pending.h.device, dtype=torch.float32)
+        S = torch.empty(ns, device=pending.h.device, dtype=torch.float32)
+    else:
+        H, S = cap.H, cap.S
+    return _KernelJob(cap, pending.h.contiguous(), pending.s.contiguous(), H, S, plan, flags,
+                      float(pending.sn), float(scale), init)
 
 
 def _kernel_ready(cap: LayerCapture, pending: PendingStats) -> bool:
@@ -169,33 +191,15 @@ def update_factors(
     they were not scaled); it is divided out so factors come from true gradients.
     """
     report = CaptureReport()
-    batch: dict = {k: [] for k in ("name", "cap", "h", "s", "H", "S", "kind", "flags", "h_div", "s_div", "s_scale", "extra", "init")}
+    jobs: list[_KernelJob] = []
     for cap in captures:
         pending = cap.take_pending()
         if pending.calls == 0:
             report.not_fired.append(cap.name)
             continue
-        plan = _kernel_plan(cap, pending) if _kernel_ready(cap, pending) else None
-        ext = _kernels.ext_for(pending.h) if plan is not None else None
-        if ext is not None:
-            kind, h_div, extra, append = plan
-            nH = 2 if kind == 1 else pending.h.numel() + int(append)
-            ns = pending.s.numel()
-            init = cap.H is None or cap.H.shape != (nH,) or cap.S.shape != (ns,) or cap.H.dtype != torch.float32
-            flags = (1 if append else 0) | (2 if init else 0)
-            scale = 1.0
-            if grad_scale is not None and grad_scale != 1.0:
-                flags |= 4
-                scale = grad_scale**cap.rule.s_scale_power
-            if init:
-                H = torch.empty(nH, device=pending.h.device, dtype=torch.float32)
-                S = torch.empty(ns, device=pending.h.device, dtype=torch.float32)
-            else:
-                H, S = cap.H, cap.S
-            for key, value in (("name", cap.name), ("cap", cap), ("h", pending.h.contiguous()), ("s", pending.s.contiguous()),
-                               ("H", H), ("S", S), ("kind", kind), ("flags", flags), ("h_div", float(h_div)),
-                               ("s_div", float(pending.sn)), ("s_scale", float(scale)), ("extra", float(extra)), ("init", init)):
-                batch[key].append(value)
+        plan = cap.rule.kernel_plan(cap.module, pending.h, pending.hn) if _kernel_ready(cap, pending) else None
+        if plan is not None and _kernels.ext_for(pending.h) is not None:
+            jobs.append(_kernel_job(cap, pending, plan, grad_scale))
             report._decided(cap.name, None)
             continue
         s = pending.s
@@ -214,25 +218,26 @@ def update_factors(
         fold_(cap.H, H_hat, gamma)
         fold_(cap.S, S_hat, gamma)
         report._decided(cap.name, False)
-    if batch["name"]:
-        _launch(batch, gamma, report)
+    if jobs:
+        _launch(jobs, gamma, report)
     return report
 
 
-def _launch(batch: dict, gamma: float, report: CaptureReport) -> None:
+def _launch(jobs: list[_KernelJob], gamma: float, report: CaptureReport) -> None:
     """One kernel launch per device for the batched layers; new factors are attached once
     their layer is known to be NaN-free (that read waits for the launch)."""
-    by_device: dict = {}
-    for i, h in enumerate(batch["h"]):
-        by_device.setdefault(h.device, []).append(i)
-    ext = _kernels.ext_for(batch["h"][0])
-    for device, idx in by_device.items():
-        pick = lambda key: [batch[key][i] for i in idx]  # noqa: E731
+    by_device: dict[torch.device, list[_KernelJob]] = {}
+    for job in jobs:
+        by_device.setdefault(job.h.device, []).append(job)
+    ext = _kernels.ext_for(jobs[0].h)
+    for device, group in by_device.items():
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = ext.factor_update_(pick("h"), pick("s"), pick("H"), pick("S"), pick("kind"), pick("flags"),
-                                       pick("h_div"), pick("s_div"), pick("s_scale"), pick("extra"),
-                                       0.1 * gamma, 0.01 * gamma)
-            names = pick("name")
+            flags = ext.factor_update_(
+                [j.h for j in group], [j.s for j in group], [j.H for j in group], [j.S for j in group],
+                [j.plan.kind for j in group], [j.flags for j in group], [float(j.plan.h_div) for j in group],
+                [j.s_div for j in group], [j.s_scale for j in group], [float(j.plan.extra) for j in group],
+                0.1 * gamma, 0.01 * gamma)
+            names = [j.cap.name for j in group]
             device_flags = _DeviceFlags(names, flags)
         if report._device is None:
             report._device = device_flags
@@ -242,10 +247,8 @@ def _launch(batch: dict, gamma: float, report: CaptureReport) -> None:
             merged.names = prev.names + names
             merged._host = prev.values() + device_flags.values()
             report._device = merged
-        inits = [i for i in idx if batch["init"][i]]
-        if inits:
-            values = dict(zip(names, device_flags.values()))
-            for i in inits:
-                if not values[batch["name"][i]]:
-                    cap = batch["cap"][i]
-                    cap.H, cap.S = batch["H"][i], batch["S"][i]
+        if any(j.init for j in group):
+            nan = dict(zip(names, device_flags.values()))
+            for j in group:
+                if j.init and not nan[j.cap.name]:
+                    j.cap.H, j.cap.S = j.H, j.S

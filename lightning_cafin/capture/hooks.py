@@ -12,8 +12,16 @@ spare), on a side CUDA stream beside the backward's kernels (``streams.py``).  W
 frozen weight autograd need not keep the input, so its statistics are read in the forward.
 
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
-looks its current owner up in a weak registry, so binding again, or binding a second
-optimizer, replaces the owner instead of stacking hooks.
+holds its module's slot (a weak reference to the current owner), so binding again, or
+binding a second optimizer, replaces the owner instead of stacking hooks.
+
+Under ``torch.compile`` the hook body is never traced: it reads Python state (the owner,
+the capture schedule) and mutates the pending statistics, which a traced graph would
+freeze or misroute (code traced for one module reused for another of the same shapes).
+The hook is ``torch.compiler.disable``-d: one graph break per bound module, and the
+statistics are those of eager mode (the wrapper costs under a microsecond per module call
+in eager mode; a hook checking ``torch.compiler.is_compiling()`` itself instead was compiled
+as a frame of its own, recompiled per module type, and then ran its body with dynamo active).
 """
 
 from __future__ import annotations
@@ -108,10 +116,12 @@ class LayerCapture:
 
 
 class _Slot:
-    __slots__ = ("handle", "owner")
+    """A module's hook and its current owner (weakly: an optimizer dropped unbinds itself)."""
 
-    def __init__(self, handle: RemovableHandle, owner: LayerCapture):
-        self.handle = handle
+    __slots__ = ("handle", "owner", "__weakref__")
+
+    def __init__(self, owner: LayerCapture):
+        self.handle: Optional[RemovableHandle] = None
         self.owner = weakref.ref(owner)
 
 
@@ -127,9 +137,8 @@ def _no_grad_in_backward():
     return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
 
 
-def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-    slot = _SLOTS.get(module)
-    capture = slot.owner() if slot is not None else None
+def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    capture = slot.owner()
     if capture is None or not module.training or not torch.is_grad_enabled():
         return
     if not isinstance(output, Tensor) or not output.requires_grad or not capture.is_capturing():
@@ -164,6 +173,18 @@ def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     output.register_hook(on_output_grad)
 
 
+def _hook_for(slot: "_Slot") -> Callable:
+    """The forward hook of one module, never traced by dynamo (a compiled graph breaks to it,
+    and no frame it calls is compiled: its Python state stays out of every graph)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        return _capture_forward(slot, module, args, kwargs, output)
+
+    hook = torch.compiler.disable(hook, recursive=True)
+    hook._lightning_cafin_capture = True  # type: ignore[attr-defined]
+    return hook
+
+
 def _input_saved_for_backward(module: nn.Module) -> bool:
     """Whether autograd keeps the module's input until its backward (the weight needs it)."""
     weight = getattr(module, "weight", None)
@@ -174,8 +195,9 @@ def attach(capture: LayerCapture) -> Optional[LayerCapture]:
     """Make ``capture`` the owner of its module's hook; return the previous live owner."""
     slot = _SLOTS.get(capture.module)
     if slot is None:
-        handle = capture.module.register_forward_hook(_forward_hook, with_kwargs=True)
-        _SLOTS[capture.module] = _Slot(handle, capture)
+        slot = _Slot(capture)
+        slot.handle = capture.module.register_forward_hook(_hook_for(slot), with_kwargs=True)
+        _SLOTS[capture.module] = slot
         return None
     previous = slot.owner()
     slot.owner = weakref.ref(capture)
@@ -192,4 +214,4 @@ def detach(capture: LayerCapture) -> None:
 
 def hook_count(module: nn.Module) -> int:
     """How many capture hooks this package holds on ``module`` (0 or 1); for tests and health."""
-    return sum(1 for hook in module._forward_hooks.values() if hook is _forward_hook)
+    return sum(1 for hook in module._forward_hooks.values() if getattr(hook, "_lightning_cafin_capture", False))

@@ -1,267 +1,217 @@
-"""Which modules AdaFisher preconditions, and how each turns a forward/backward into statistics.
+"""Which modules AdaFisher preconditions, and with which rule (``rules/`` says how).
 
-Each rule produces *partial sums* that are linear in the batch (sums over samples,
-plus the count that divides them), so the statistics of several micro-batches, or of
-several ranks, combine by plain addition and give exactly the statistics of the whole
-batch.  ``finalize`` turns the combined sums into the spec's raw vectors ``H_raw`` and
-``S_raw`` (ADAFISHER_SPEC.md, "Supported modules and their two factor vectors").
+Two built-in rule sets, chosen with ``layers=`` on the optimizer:
 
-All statistics are accumulated in float32 (float64 for float64 inputs) whatever the
-activation dtype, so float16 sums of squares cannot overflow.
+* ``"paper"``: exactly the authors' four types, matched by exact class: ``nn.Linear``,
+  ``nn.Conv2d``, ``nn.BatchNorm2d`` (affine) and ``nn.LayerNorm`` (affine, one normalised dim);
+* ``"all"`` (default): every built-in type below, plus the types users registered with
+  :func:`register_layer`:
 
-On CUDA tensors (float32, float16, bfloat16) the partial sums come from the extension's
-capture kernels (one pass over the tensor, no patches, see ``kernels.py``); the torch ops
-below are the fallback everywhere else and the reference the kernels are tested against.
+  - ``nn.Linear`` and its subclasses; ``transformers``' ``Conv1D`` (weight ``in x out``);
+  - ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` (transposed convolutions: F = 1);
+  - ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``, ``nn.GroupNorm`` (affine);
+  - ``nn.LayerNorm`` over any normalised shape; its subclasses whose ``forward`` is
+    LayerNorm's own, or that are known channels-first ``LayerNorm2d`` classes
+    (:data:`CHANNELS_FIRST_NORMS`) or carry ``data_format == "channels_first"``;
+  - ``nn.RMSNorm`` and the RMSNorm classes of model libraries listed in
+    :data:`RMS_NORMS` (by qualified class name: their ``forward`` is
+    ``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim, or over dim 1 for the
+    channels-first ones).
+
+A module type is never guessed from its shape or attributes alone: a ``LayerNorm``
+subclass with its own ``forward`` that is not in the lists gets F = 1 (register it to
+precondition it), because its layout cannot be told from the module.  Norm modules that
+apply an activation after normalising (timm's ``BatchNormAct2d``, ``GroupNormAct``) get
+F = 1 too, unless the activation is ``nn.Identity``: hooks see only the activation's
+output gradient, not the norm's.
 """
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Optional
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-import torch.nn.functional as F
+from .rules import ChannelNormRule, ConvRule, FeatureNormRule, KernelPlan, LayerRule, LinearRule, ParamSlot
+from .rules.base import channel_sums, stat_dtype, sum_of_squares  # noqa: F401  (re-exported)
 
-from .._conv import conv_output_hw, conv_padding, pad_like_conv
-from . import kernels as _kernels
-from . import streams as _streams
+LAYER_SETS = ("all", "paper")
+
+LINEAR = LinearRule()
+LINEAR_TRANSPOSED = LinearRule(transposed=True)
+CONV = {1: ConvRule(1), 2: ConvRule(2), 3: ConvRule(3)}
+BATCHNORM = ChannelNormRule("batchnorm")
+GROUPNORM = ChannelNormRule("groupnorm")
+LAYERNORM = FeatureNormRule("layernorm")
+LAYERNORM_CHANNELS_FIRST = FeatureNormRule("layernorm", channels_first=True)
+RMSNORM = FeatureNormRule("rmsnorm", with_bias=False)
+RMSNORM_CHANNELS_FIRST = FeatureNormRule("rmsnorm", channels_first=True, with_bias=False)
+
+#: The authors' four types (exact classes) and their rules.
+PAPER_RULES: dict[type, LayerRule] = {
+    nn.Linear: LINEAR,
+    nn.Conv2d: CONV[2],
+    nn.BatchNorm2d: BATCHNORM,
+    nn.LayerNorm: LAYERNORM,
+}
+
+#: Linear layers with a transposed (``in x out``) weight, by qualified class name.
+TRANSPOSED_LINEARS = frozenset({"transformers.pytorch_utils.Conv1D"})
+
+#: LayerNorm subclasses (by qualified class name) whose forward normalises dim 1 of ``N x C x ...``.
+CHANNELS_FIRST_NORMS = frozenset({
+    "torchvision.models.convnext.LayerNorm2d",
+    "timm.layers.norm.LayerNorm2d",
+    "timm.layers.norm.LayerNormExp2d",
+})
+
+#: LayerNorm subclasses with their own forward that still normalise the trailing dims.
+CHANNELS_LAST_NORMS = frozenset({"timm.layers.norm.LayerNorm"})
+
+#: RMSNorm classes of model libraries, by qualified class name -> channels first?
+RMS_NORMS: dict[str, bool] = {
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": False,
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm": False,
+    "transformers.models.mixtral.modeling_mixtral.MixtralRMSNorm": False,
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm": False,
+    "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm": False,
+    "transformers.models.gemma.modeling_gemma.GemmaRMSNorm": False,
+    "transformers.models.phi3.modeling_phi3.Phi3RMSNorm": False,
+    "transformers.models.t5.modeling_t5.T5LayerNorm": False,
+    "timm.layers.norm.RmsNorm": False,
+    "timm.layers.norm.RmsNorm2d": True,
+}
+
+_USER_RULES: dict[type, LayerRule] = {}
 
 
-def stat_dtype(x: Tensor) -> torch.dtype:
-    """float64 stays float64; everything else (fp16, bf16, fp32) is summed in float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def channel_sums(t: Tensor, dim: int, square: bool, divisor: float = 0.0) -> Optional[Tensor]:
-    """The kernels' per-channel ``sum`` (or sum of squares) over every dim but ``dim``,
-    divided by ``divisor`` when it is positive; ``None`` where the kernels do not apply."""
-    ext = _kernels.ext_for(t)
-    if ext is None or t.dim() == 0:
-        return None
-    return ext.channel_stats(t, dim, square, float(divisor), _streams.side())
+def register_layer(module_type: type, rule: LayerRule) -> None:
+    """Precondition every module of ``module_type`` (and its subclasses) with ``rule``.
 
-
-def sum_of_squares(x: Tensor, dims) -> Tensor:
-    """``sum(x**2)`` over ``dims`` in the statistics dtype, in one pass over ``x``.
-
-    A norm reduction reads ``x`` once and writes only the result: no squared copy and
-    no upcast copy of the activation is ever made (squaring the norm costs one rounding).
+    The rule implements :class:`LayerRule` (``lightning_cafin.capture.rules.base`` documents the
+    protocol); built-in rules may be reused, e.g. ``register_layer(MyLinear, LinearRule())``.
+    A registration replaces an earlier one for the same type and takes precedence over
+    the built-in rules (``layers="all"`` only; ``layers="paper"`` ignores registrations).
     """
-    return torch.linalg.vector_norm(x, 2, dim=dims, dtype=stat_dtype(x)).square()
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one of a module's parameters reads its F: ``H[col_offset : col_offset + ncols]``."""
-
-    role: str  # "weight" or "bias"
-    col_offset: int
-    ncols: int
-
-
-class LayerRule(ABC):
-    """The statistics of one supported module type."""
-
-    kind: str
-    #: ``S`` partial sums scale with this power of a loss scale (squared sums: 2).
-    s_scale_power: int = 2
-
-    @abstractmethod
-    def supports(self, module: nn.Module) -> bool: ...
-
-    @abstractmethod
-    def slots(self, module: nn.Module) -> list[ParamSlot]:
-        """The columns each of the module's parameters uses, in ``H`` order."""
-
-    @abstractmethod
-    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
-        """(sum vector, count) of the activation side for one forward call."""
-
-    @abstractmethod
-    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
-        """(sum vector, count) of the output-gradient side for one backward call."""
-
-    @abstractmethod
-    def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
-        """Combined partial sums -> (H_raw, S_raw)."""
-
-
-class LinearRule(LayerRule):
-    kind = "linear"
-
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear)
-
-    def slots(self, module: nn.Module) -> list[ParamSlot]:
-        out = [ParamSlot("weight", 0, module.in_features)]
-        if module.bias is not None:
-            out.append(ParamSlot("bias", module.in_features, 1))
-        return out
-
-    def input_partial(self, module, x):
-        h = channel_sums(x, -1, True)
-        if h is not None:
-            return h, float(x.numel() // max(x.shape[-1], 1))
-        x = x.reshape(-1, x.shape[-1])
-        return sum_of_squares(x, 0), float(x.shape[0])
-
-    def output_partial(self, module, s):
-        sv = channel_sums(s, -1, True)
-        if sv is not None:
-            return sv, float(s.numel() // max(s.shape[-1], 1))
-        s = s.reshape(-1, s.shape[-1])
-        return sum_of_squares(s, 0), float(s.shape[0])
-
-    def finalize(self, module, h, hn, s, sn):
-        H = h / hn
-        if module.bias is not None:
-            H = torch.cat([H, H.new_ones(1)])
-        return H, s / sn
-
-
-class Conv2dRule(LayerRule):
-    """Conv2d: ``H`` from window sums of ``x^2`` over the batch, with no im2col tensor.
-
-    ``H_raw[(c, ki, kj)]`` is the sum, over the batch, the groups and every output
-    position, of the squared padded input under kernel tap ``(ki, kj)`` of channel ``c``
-    within its group.  Summing ``x^2`` over the batch and the groups first leaves a
-    ``(C/g, H, W)`` map; each tap is then one strided slice sum of that map.
-    """
-
-    kind = "conv2d"
-
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Conv2d)
-
-    @staticmethod
-    def _k(module: nn.Conv2d) -> int:
-        return (module.in_channels // module.groups) * module.kernel_size[0] * module.kernel_size[1]
-
-    def slots(self, module: nn.Module) -> list[ParamSlot]:
-        K = self._k(module)
-        out = [ParamSlot("weight", 0, K)]
-        if module.bias is not None:
-            out.append(ParamSlot("bias", K, 1))
-        return out
-
-    def input_partial(self, module, x):
-        if x.dim() == 3:  # unbatched input
-            x = x.unsqueeze(0)
-        B = x.shape[0]
-        Ho, Wo = conv_output_hw(module, tuple(x.shape[-2:]))
-        g, (kh, kw) = module.groups, module.kernel_size
-        (dh, dw), (sh, sw) = module.dilation, module.stride
-        count = float(B * Ho * Wo * self._k(module))
-        ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
-        if ext is not None:  # one pass over x, then the taps of the small batch-reduced map
-            left, _, top, _ = conv_padding(module)
-            h = ext.conv_input_stats(x, [kh, kw], [sh, sw], [top, left], [dh, dw], g, [Ho, Wo], _streams.side())
-            return h, count
-        if module.padding_mode == "zeros":
-            # zeros square to zeros: reduce the batch first, then pad the small map
-            sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, Hp, Wp)
-        else:  # reflect / replicate / circular padding repeats real values
-            sq = sum_of_squares(pad_like_conv(module, x), 0)
-        sq = sq.reshape(g, -1, *sq.shape[-2:]).sum(0)  # pool the groups: (C/g, Hp, Wp)
-        # every tap's window sum at once: the patches of this small map, summed over positions
-        taps = F.unfold(sq[None], (kh, kw), dilation=(dh, dw), stride=(sh, sw))  # (1, C/g*kh*kw, Ho*Wo)
-        h = taps[0].sum(1)  # (c, ki, kj) order, as the weight
-        return h, count
-
-    def output_partial(self, module, s):
-        if s.dim() == 3:
-            s = s.unsqueeze(0)
-        count = float(s.shape[0] * s.shape[2] * s.shape[3])
-        sv = channel_sums(s, 1, True)
-        if sv is not None:
-            return sv, count
-        return sum_of_squares(s, (0, 2, 3)), count
-
-    def finalize(self, module, h, hn, s, sn):
-        H = h / hn
-        if module.bias is not None:
-            # The ones column of the patch matrix: (B * g * L) / (B * L * K).
-            H = torch.cat([H, H.new_full((1,), module.groups / self._k(module))])
-        return H, s / sn
-
-
-class _TwoColumnRule(LayerRule):
-    """BatchNorm2d and LayerNorm: ``H`` has exactly two entries (weight, bias)."""
-
-    s_scale_power = 1  # S sums the gradient itself and squares after combining
-
-    def slots(self, module: nn.Module) -> list[ParamSlot]:
-        out = []
-        if module.weight is not None:
-            out.append(ParamSlot("weight", 0, 1))
-        if module.bias is not None:
-            out.append(ParamSlot("bias", 1, 1))
-        return out
-
-    def finalize(self, module, h, hn, s, sn):
-        H = torch.stack([h.square().sum() / hn**2, h.new_tensor(h.numel() / hn**2)])
-        return H, s.square() / sn
-
-
-class BatchNorm2dRule(_TwoColumnRule):
-    kind = "batchnorm2d"
-
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.BatchNorm2d) and module.affine
-
-    def input_partial(self, module, x):
-        hw = x.shape[2] * x.shape[3]
-        # quirk: divided by the squared spatial size
-        h = channel_sums(x, 1, False, hw**2) if hw > 0 else None
-        if h is not None:
-            return h, float(x.shape[0])
-        return x.sum((0, 2, 3), dtype=stat_dtype(x)) / (hw**2), float(x.shape[0])
-
-    def output_partial(self, module, s):
-        sv = channel_sums(s, 1, False)
-        if sv is not None:
-            return sv, float(s.shape[0])
-        return s.sum((0, 2, 3), dtype=stat_dtype(s)), float(s.shape[0])
-
-
-class LayerNormRule(_TwoColumnRule):
-    """LayerNorm over one trailing dimension (the spec's layout has one ``S`` per feature)."""
-
-    kind = "layernorm"
-
-    def supports(self, module: nn.Module) -> bool:
-        return (
-            isinstance(module, nn.LayerNorm)
-            and module.elementwise_affine
-            and len(module.normalized_shape) == 1
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_layer(module_type, rule): module_type must be an nn.Module subclass, got {module_type!r}")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(
+            f"register_layer(module_type, rule): rule must be a lightning_cafin.capture.LayerRule instance, got "
+            f"{type(rule).__name__}; subclass LayerRule (slots, input_partial, output_partial, finalize)"
         )
-
-    def input_partial(self, module, x):
-        # quirk: reduce every dim except dim 1, not the normalised last dim
-        dims = [d for d in range(x.dim()) if d != 1]
-        dn = math.prod(x.shape[d] for d in dims if d != 0)
-        h = channel_sums(x, 1, False, dn**2) if x.dim() >= 2 and dn > 0 else None
-        if h is not None:
-            return h, float(x.shape[0])
-        return x.sum(dims, dtype=stat_dtype(x)) / (dn**2), float(x.shape[0])
-
-    def output_partial(self, module, s):
-        sv = channel_sums(s, -1, False) if s.dim() >= 2 else None
-        if sv is not None:
-            return sv, float(s.shape[0])
-        return s.sum(tuple(range(s.dim() - 1)), dtype=stat_dtype(s)), float(s.shape[0])
+    _USER_RULES[module_type] = rule
 
 
-RULES: tuple[LayerRule, ...] = (LinearRule(), Conv2dRule(), BatchNorm2dRule(), LayerNormRule())
+def unregister_layer(module_type: type) -> None:
+    """Forget a registration (tests, notebooks)."""
+    _USER_RULES.pop(module_type, None)
 
 
-def rule_for(module: nn.Module) -> Optional[LayerRule]:
-    """The rule for a supported module, or ``None`` (its parameters then use F = 1)."""
-    for rule in RULES:
-        if rule.supports(module):
-            return rule
+def registered_layers() -> dict[type, LayerRule]:
+    """A copy of the user registrations."""
+    return dict(_USER_RULES)
+
+
+def check_layers(layers: str) -> str:
+    if layers not in LAYER_SETS:
+        raise ValueError(f"layers must be one of {LAYER_SETS} ('all': every supported type, 'paper': the authors' "
+                         f"four), got {layers!r}")
+    return layers
+
+
+def _own_forward(module: nn.Module, base: type) -> bool:
+    """Whether ``module``'s class overrides ``base.forward``."""
+    return type(module).forward is not base.forward
+
+
+def fused_activation(module: nn.Module) -> bool:
+    """Whether a norm module applies an activation or dropout after normalising (timm's
+    ``BatchNormAct2d``, ``GroupNormAct``, ``LayerNormAct``): its output gradient is not the
+    norm's, so the norm rules would be wrong for it."""
+    return any(isinstance(getattr(module, attr, None), nn.Module) and not isinstance(getattr(module, attr), nn.Identity)
+               for attr in ("act", "drop"))
+
+
+def _builtin_rule(module: nn.Module) -> Optional[LayerRule]:
+    norm_types = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
+    if isinstance(module, norm_types) and fused_activation(module):
+        return None  # normalisation + activation in one module: the output gradient is the activation's
+    names = {qualified_name(c) for c in type(module).__mro__}
+    if names & TRANSPOSED_LINEARS:
+        return LINEAR_TRANSPOSED
+    if isinstance(module, nn.Linear):
+        return LINEAR
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return CONV[len(module.kernel_size)]
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return BATCHNORM
+    if isinstance(module, nn.GroupNorm):
+        return GROUPNORM
+    name = qualified_name(type(module))
+    if name in RMS_NORMS:
+        return RMSNORM_CHANNELS_FIRST if RMS_NORMS[name] else RMSNORM
+    if isinstance(module, nn.LayerNorm):
+        if name in CHANNELS_FIRST_NORMS or getattr(module, "data_format", None) == "channels_first":
+            return LAYERNORM_CHANNELS_FIRST
+        if name in CHANNELS_LAST_NORMS or not _own_forward(module, nn.LayerNorm):
+            return LAYERNORM
+        return None  # its own forward, layout unknown: register it
+    if isinstance(module, nn.RMSNorm) and not _own_forward(module, nn.RMSNorm):
+        return RMSNORM
     return None
+
+
+def _paper_rule(module: nn.Module) -> Optional[LayerRule]:
+    rule = PAPER_RULES.get(type(module))
+    if rule is None:
+        return None
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        return None
+    return rule
+
+
+def rule_for(module: nn.Module, layers: str = "all") -> Optional[LayerRule]:
+    """The rule for a supported module, or ``None`` (its parameters then use F = 1)."""
+    if layers == "paper":
+        rule = _paper_rule(module)
+    else:
+        check_layers(layers)
+        rule = None
+        for cls in type(module).__mro__:  # the most specific registration wins
+            if cls in _USER_RULES:
+                rule = _USER_RULES[cls]
+                break
+        if rule is None:
+            rule = _builtin_rule(module)
+    if rule is None or not rule.supports(module):
+        return None
+    return rule
+
+
+def unseen_parameters(model: nn.Module) -> dict[str, str]:
+    """Modules whose parameters their owner uses functionally, so hooks cannot see them:
+    ``{module name: reason}``.  They get F = 1 and are reported once in ``summary()``."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            out[f"{name}.out_proj" if name else "out_proj"] = (
+                "nn.MultiheadAttention calls out_proj functionally (F.multi_head_attention_forward)")
+    return out
+
+
+#: The built-in rules, for introspection.
+RULES: tuple[LayerRule, ...] = (LINEAR, LINEAR_TRANSPOSED, *CONV.values(), BATCHNORM, GROUPNORM, LAYERNORM,
+                                LAYERNORM_CHANNELS_FIRST, RMSNORM, RMSNORM_CHANNELS_FIRST)
+
+__all__ = ["KernelPlan", "LAYER_SETS", "LayerRule", "ParamSlot", "RULES", "register_layer", "rule_for",
+           "unregister_layer", "unseen_parameters"]
+
+
+def Conv2dRule() -> ConvRule:  # noqa: N802 (the former class name)
+    """The built-in Conv2d rule (the name of its class before the N-d rules; kept for scripts)."""
+    return CONV[2]

@@ -123,10 +123,12 @@ def test_half_precision_activations_are_summed_in_float32(dtype):
 
 
 def test_unsupported_modules_have_no_rule():
-    assert rule_for(nn.Embedding(3, 2)) is None
-    assert rule_for(nn.BatchNorm2d(3, affine=False)) is None
-    assert rule_for(nn.LayerNorm((2, 3))) is None  # multi-dimensional normalised shape
-    assert rule_for(nn.Conv1d(2, 2, 3)) is None
+    for layers in ("paper", "all"):
+        assert rule_for(nn.Embedding(3, 2), layers) is None
+        assert rule_for(nn.BatchNorm2d(3, affine=False), layers) is None
+    # the authors' set: one normalised dim only, no Conv1d
+    assert rule_for(nn.LayerNorm((2, 3)), "paper") is None
+    assert rule_for(nn.Conv1d(2, 2, 3), "paper") is None
 
 
 @pytest.mark.parametrize("name", sorted(CONVS))

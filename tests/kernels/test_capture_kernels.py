@@ -23,6 +23,7 @@ from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture.factors import update_factors
 from lightning_cafin.capture.hooks import LayerCapture, PendingStats
 from lightning_cafin.capture.layers import rule_for
+from lightning_cafin.capture.rules.conv import conv_columns
 
 pytestmark = [
     pytest.mark.cuda,
@@ -125,7 +126,7 @@ def test_conv_input_stats_match_the_torch_rule(ext, impl, name, layout):
     x = randn((3, m.in_channels, 11, 9), layout=layout)
     h, hn = kernel_rule(impl, m, x, "in")
     h_ref, hn_ref = torch_rule(impl, m, x, "in")
-    assert h.dtype == torch.float32 and h.shape == (rule_for(m)._k(m),)
+    assert h.dtype == torch.float32 and h.shape == (conv_columns(m),)
     assert hn == hn_ref
     close(h, h_ref, STAT_RTOL)
 

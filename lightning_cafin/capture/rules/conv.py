@@ -1,0 +1,132 @@
+"""Convolutions (``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d``): ``H`` from window sums of
+``x**2``, with no im2col tensor.
+
+``H_raw[(c, k...)]`` is the sum, over the batch, the groups and every output position,
+of the squared padded input under kernel tap ``k...`` of channel ``c`` within its group,
+divided by ``B * L * K`` (``L`` output positions, ``K = C/g * prod(kernel)``), exactly the
+spec's im2col definition.  Summing ``x**2`` over the batch and the groups first leaves a
+small ``(C/g, *spatial)`` map; each tap is then one strided window sum of that map.
+
+On CUDA, 2-D and 1-D convolutions (a 1-D one as a 2-D one of height 1) with zero padding
+use the extension's ``conv_input_stats`` kernel; 3-D ones and other padding modes use the
+torch ops here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..._conv import conv_output_size, conv_pads, conv_padding, pad_like_conv
+from .. import kernels as _kernels
+from .. import streams as _streams
+from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
+
+
+def conv_columns(module: nn.modules.conv._ConvNd) -> int:
+    """``K``: the weight's columns, ``C/g * prod(kernel)``."""
+    return (module.in_channels // module.groups) * math.prod(module.kernel_size)
+
+
+class ConvRule(LayerRule):
+    """``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` (not transposed convolutions)."""
+
+    def __init__(self, ndim: int = 2) -> None:
+        self.ndim = ndim
+        self.kind = f"conv{ndim}d"
+
+    def supports(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
+
+    def slots(self, module: nn.Module) -> list[ParamSlot]:
+        K = conv_columns(module)
+        out = [ParamSlot("weight", 0, K)]
+        if module.bias is not None:
+            out.append(ParamSlot("bias", K, 1))
+        return out
+
+    def input_partial(self, module, x):
+        nd = len(module.kernel_size)
+        if x.dim() == nd + 1:  # unbatched input
+            x = x.unsqueeze(0)
+        B = x.shape[0]
+        out_size = conv_output_size(module, tuple(x.shape[2:]))
+        count = float(B * math.prod(out_size) * conv_columns(module))
+        h = self._kernel_input_sums(module, x, out_size) if nd in (1, 2) else None
+        if h is not None:
+            return h, count
+        if nd == 2:
+            return self._taps_2d(module, x), count
+        return self._taps_nd(module, x, out_size), count
+
+    @staticmethod
+    def _kernel_input_sums(module, x: Tensor, out_size: tuple[int, ...]) -> Optional[Tensor]:
+        ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
+        if ext is None:
+            return None
+        pads = [before for before, _ in conv_pads(module)]
+        ks, st, dl = list(module.kernel_size), list(module.stride), list(module.dilation)
+        if len(ks) == 1:  # a 1-D convolution is a 2-D one of height 1
+            x, pads, ks, st, dl, out_size = x.unsqueeze(2), [0] + pads, [1] + ks, [1] + st, [1] + dl, (1,) + out_size
+        return ext.conv_input_stats(x, ks, st, pads, dl, module.groups, list(out_size), _streams.side())
+
+    @staticmethod
+    def _taps_2d(module, x: Tensor) -> Tensor:
+        g, (kh, kw) = module.groups, module.kernel_size
+        if module.padding_mode == "zeros":
+            # zeros square to zeros: reduce the batch first, then pad the small map
+            sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, Hp, Wp)
+        else:  # reflect / replicate / circular padding repeats real values
+            sq = sum_of_squares(pad_like_conv(module, x), 0)
+        sq = sq.reshape(g, -1, *sq.shape[-2:]).sum(0)  # pool the groups: (C/g, Hp, Wp)
+        # every tap's window sum at once: the patches of this small map, summed over positions
+        taps = F.unfold(sq[None], (kh, kw), dilation=module.dilation, stride=module.stride)  # (1, K, Ho*Wo)
+        return taps[0].sum(1)  # (c, ki, kj) order, as the weight
+
+    @staticmethod
+    def _taps_nd(module, x: Tensor, out_size: tuple[int, ...]) -> Tensor:
+        g = module.groups
+        if module.padding_mode == "zeros":
+            sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, *padded)
+        else:
+            sq = sum_of_squares(pad_like_conv(module, x), 0)
+        sq = sq.reshape(g, -1, *sq.shape[1:]).sum(0)  # (C/g, *padded)
+        nd = sq.dim() - 1
+        windows = sq
+        for i, (k, d, st) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
+            windows = windows.unfold(1 + i, d * (k - 1) + 1, st)  # a view: (C/g, O..., extents...)
+        taps = windows[(...,) + tuple(slice(None, None, d) for d in module.dilation)]  # (C/g, O..., k...)
+        assert tuple(taps.shape[1 : 1 + nd]) == tuple(out_size)
+        return taps.sum(tuple(range(1, 1 + nd))).reshape(-1)  # (c, k...) order, as the weight
+
+    def output_partial(self, module, s):
+        nd = len(module.kernel_size)
+        if s.dim() == nd + 1:
+            s = s.unsqueeze(0)
+        count = float(s.shape[0] * math.prod(s.shape[2:]))
+        sv = channel_sums(s, 1, True)
+        if sv is not None:
+            return sv, count
+        return sum_of_squares(s, (0,) + tuple(range(2, s.dim()))), count
+
+    def finalize(self, module, h, hn, s, sn):
+        H = h / hn
+        if module.bias is not None:
+            # The ones column of the patch matrix: (B * g * L) / (B * L * K).
+            H = torch.cat([H, H.new_full((1,), module.groups / conv_columns(module))])
+        return H, s / sn
+
+    def kernel_plan(self, module, h, hn) -> Optional[KernelPlan]:
+        return KernelPlan(0, hn, module.groups / conv_columns(module), module.bias is not None)
+
+    def oracle(self, module, x, s):
+        from ... import spec
+
+        return spec.conv_stats(module, x, s)
+
+    def __repr__(self) -> str:
+        return f"ConvRule(ndim={self.ndim})"
