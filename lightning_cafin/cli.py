@@ -70,6 +70,7 @@ class CafinCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("trainer_defaults", {"logger": DEFAULT_LOGGER})
+        kwargs.setdefault("parser_kwargs", {"prog": "cafin"})
         self._new_log_dirs: list[Path] = []
         try:
             super().__init__(*args, **kwargs)
@@ -95,8 +96,11 @@ class CafinCLI(LightningCLI):
         trainer = getattr(self, "trainer", None)
         if trainer is not None and trainer.global_step > 0:
             return
-        for path in self._new_log_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        for path in self._new_log_dirs:  # the version folder, then the parents it made, if empty
+            if path == self._new_log_dirs[0]:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Registered here (LightningCLI would add the same group after this hook) so that it
@@ -122,9 +126,9 @@ class CafinCLI(LightningCLI):
             # The version folder does not exist yet (loggers create it on first write): remember the
             # ones this run will create, so that a run that fails before its first step removes them.
             if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-                log_dir = Path(logger.log_dir)
-                if not log_dir.exists():
-                    self._new_log_dirs.append(log_dir)
+                log_dir = Path(logger.log_dir).absolute()
+                created = [d for d in (log_dir, *log_dir.parents) if not d.exists()]
+                self._new_log_dirs += created  # deepest first
         return trainer
 
     def before_fit(self) -> None:
@@ -209,7 +213,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(_usage_hint(), file=sys.stderr)
         return 2
     try:
-        cli = CafinCLI(args=args)
+        cli = CafinCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except DataNotFoundError as exc:
         print(_missing_data_hint(exc), file=sys.stderr)
         return 2
