@@ -232,7 +232,7 @@ def _check_toolchain() -> dict:
         raise _Unavailable(
             "no CUDA toolkit found: CUDA_HOME is unset, no nvcc on PATH, none at "
             f"{_DEFAULT_CUDA_HOME or 'the default location'} and no NVIDIA toolkit wheels installed. "
-            f"nvcc is needed to build the extension: {wheel_toolkit.install_hint(torch_major)} "
+            f"nvcc is needed to build the extension: {wheel_toolkit.install_hint(str(torch.version.cuda))} "
             f"(NVIDIA's nvcc, headers and CCCL as pip wheels, for torch's CUDA {torch.version.cuda}), "
             "or set CUDA_HOME to a toolkit"
         )
@@ -249,14 +249,14 @@ def _check_toolchain() -> dict:
         if missing_wheels:
             raise _Unavailable(
                 f"NVIDIA's toolkit wheels provide nvcc but not: {', '.join(missing_wheels)}; "
-                f"{wheel_toolkit.install_hint(torch_major)}"
+                f"{wheel_toolkit.install_hint(str(torch.version.cuda))}"
             )
     nvcc_version = _nvcc_version(nvcc)
     if nvcc_version.split(".")[0] != torch_major:
         raise _Unavailable(
             f"CUDA version mismatch: nvcc at {nvcc} is CUDA {nvcc_version} but torch "
             f"{torch.__version__} was built with CUDA {torch.version.cuda}; point CUDA_HOME at a "
-            f"CUDA {torch_major}.x toolkit, or unset it and {wheel_toolkit.install_hint(torch_major)}"
+            f"CUDA {torch_major}.x toolkit, or unset it and {wheel_toolkit.install_hint(str(torch.version.cuda))}"
         )
     if not _ninja_available():
         raise _Unavailable("ninja is not installed or not on PATH (pip install ninja)")
@@ -460,6 +460,10 @@ def _estimated_minutes() -> int:
     return max(1, round(_BUILD_CORE_MINUTES / cores))
 
 
+def _minutes(n: int) -> str:
+    return "1 minute" if n == 1 else f"{n} minutes"
+
+
 def _verbose_requested() -> bool:
     return os.environ.get("LIGHTNING_CAFIN_VERBOSE_BUILD", "").strip().lower() not in ("", "0", "false", "no")
 
@@ -471,7 +475,7 @@ def _is_built(build_dir: Path) -> bool:
 def _announce_build(build_dir: Path, tool: dict, verbose: bool) -> None:
     how = "" if verbose else "; LIGHTNING_CAFIN_VERBOSE_BUILD=1 shows the compiler's progress"
     print(
-        f"lightning_cafin: building the CUDA extension, about {_estimated_minutes()} minute(s), once per "
+        f"building the lightning_cafin CUDA extension, about {_minutes(_estimated_minutes())}, once per "
         f"torch/CUDA version (nvcc {tool['nvcc_version']} from {tool['cuda_home_source']}, arch "
         f"{tool['arch_list']}; into {build_dir}{how})",
         file=sys.stderr,
@@ -538,7 +542,7 @@ def _load(verbose: bool) -> tuple[Optional[ModuleType], ExtensionInfo]:
 
     seconds = time.monotonic() - started
     if building:
-        print(f"lightning_cafin: CUDA extension built in {seconds:.0f} s", file=sys.stderr, flush=True)
+        print(f"built the lightning_cafin CUDA extension in {seconds:.0f} s", file=sys.stderr, flush=True)
     text = (
         f"built/loaded {EXTENSION_NAME} from {getattr(module, '__file__', '?')}\n"
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc {tool['nvcc']} "
@@ -633,7 +637,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = _ensure(verbose=args.verbose)
     print(info)
     if info.loaded and _module is not None:
-        print(f"module: {_module.__file__}")
+        print(f"module: {getattr(_module, '__file__', '?')}")
         ok, why = can_run_fused()
         print(f"can_run_fused: {ok} ({why})")
         if args.output is not None:

@@ -35,14 +35,20 @@ WHEELS = {
 _CU12_PARTS = ("cuda_nvcc", "cuda_runtime", "cuda_cccl", "cuda_crt", "nvvm")
 
 
-def install_hint(cuda_major: str) -> str:
-    """The command that installs the toolkit wheels for torch's CUDA major version."""
-    if cuda_major == "13":
+#: The CUDA version the extra's pins match (torch 2.14's CUDA 13 wheels are built with 13.0).
+EXTRA_CUDA = "13.0"
+
+
+def install_hint(torch_cuda: str) -> str:
+    """The command that installs the toolkit wheels matching torch's CUDA version (``"13.0"``)."""
+    if torch_cuda == EXTRA_CUDA:
         return f'pip install "lightning-cafin[{EXTRA}]"'
-    names = WHEELS.get(cuda_major)
+    major = torch_cuda.split(".")[0]
+    names = WHEELS.get(major)
     if names is None:
-        return f"install NVIDIA's CUDA {cuda_major} toolkit (no pip wheels are known for it)"
-    return "pip install " + " ".join(names)
+        return f"install NVIDIA's CUDA {torch_cuda} toolkit (no pip wheels are known for it)"
+    # Same minor version as torch: the wheels share one include folder with torch's runtime wheel.
+    return "pip install " + " ".join(f'"{n}=={torch_cuda}.*"' for n in names)
 
 
 def _nvidia_dirs() -> list[Path]:
