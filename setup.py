@@ -48,7 +48,7 @@ class BuildPyWithCsrc(build_py):
             self._build_extension()
 
     def _build_extension(self) -> None:
-        output = Path(self.build_lib) / "lightning_cafin" / "kernels" / "prebuilt"
+        output = (Path(self.build_lib) / "lightning_cafin" / "kernels" / "prebuilt").resolve()
         env = _environment_outside_build_isolation()
         env["PYTHONPATH"] = str(Path(self.build_lib).resolve())
         with tempfile.TemporaryDirectory(prefix="lightning-cafin-build-") as cache:

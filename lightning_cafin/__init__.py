@@ -1,6 +1,7 @@
 """lightning_cafin: the AdaFisher second-order optimizer, fused CUDA kernels, one Lightning callback.
 
-``import lightning_cafin`` loads only torch and the optimizer: a plain-PyTorch user of
+``import lightning_cafin`` loads only torch and the optimizer (``extension_info`` and the
+loader on first access): a plain-PyTorch user of
 :class:`AdaFisher` never pays for Lightning, torchmetrics or TensorBoard.  The Lightning
 side (``CAFINCallback``, ``DivergenceError``, the ``cli``, ``data``, ``tasks``, ``models``
 and ``monitor`` modules) is imported on first access.
@@ -11,13 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .kernels.loader import extension_info
 from .optimizer import AdaFisher, AdaFisherW
 
 __version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself), imported on first access.
 _LAZY = {
+    # (lazy too, so that `python -m lightning_cafin.kernels.loader` runs a module not yet imported)
+    "extension_info": (".kernels.loader", "extension_info"),
     "CAFINCallback": (".callback", "CAFINCallback"),
     "DivergenceError": (".callback", "DivergenceError"),
     "callback": (".callback", None),
@@ -32,6 +34,7 @@ __all__ = ["AdaFisher", "AdaFisherW", "CAFINCallback", "DivergenceError", "exten
 
 if TYPE_CHECKING:  # pragma: no cover
     from .callback import CAFINCallback, DivergenceError
+    from .kernels.loader import extension_info
 
 
 def __getattr__(name: str) -> Any:
