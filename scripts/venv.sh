@@ -55,7 +55,6 @@ install_project() {
         return
     fi
     echo "== installing lightning-cafin${extras:+[$extras]} and its dependencies into $VENV (torch is large: minutes the first time)"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
     rm -f "$VENV"/.lightning_cafin-installed-*
     touch "$stamp"
