@@ -45,19 +45,26 @@ ensure_venv() {
     "$PYTHON" -m venv "$VENV"
 }
 
-# install_project EXTRAS: pip install -e ".[EXTRAS]" into $VENV unless the stamp says it is done.
+# install_project EXTRAS: pip install -e ".[EXTRAS]" into $VENV unless a stamp of the same
+# pyproject.toml and setup.py says these extras (or more) are installed already.
 install_project() {
-    local extras="$1" stamp key
+    local requested="$1" key stamp have="" extras missing=0 e
     key=$(cat pyproject.toml setup.py | sha256sum | cut -c1-16)
-    stamp="$VENV/.lightning_cafin-installed-${key}-${extras:-none}"
-    if [ -f "$stamp" ]; then
-        echo "== lightning-cafin${extras:+[$extras]} already installed in $VENV (same pyproject.toml): skipped"
+    stamp="$VENV/.lightning_cafin-installed-$key"
+    [ -f "$stamp" ] && have=$(cat "$stamp")
+    [ -f "$stamp" ] || missing=1
+    for e in ${requested//,/ }; do
+        grep -qx "$e" <<<"$have" || missing=1
+    done
+    if [ "$missing" -eq 0 ]; then
+        echo "== lightning-cafin${have:+[$(paste -sd, <<<"$have")]} already installed in $VENV (same pyproject.toml): skipped"
         return
     fi
+    extras=$(printf '%s\n' $have ${requested//,/ } | sed '/^$/d' | sort -u | paste -sd, -)
     echo "== installing lightning-cafin${extras:+[$extras]} and its dependencies into $VENV (torch is large: minutes the first time)"
     "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
     rm -f "$VENV"/.lightning_cafin-installed-*
-    touch "$stamp"
+    tr ',' '\n' <<<"$extras" > "$stamp"
 }
 
 # The toolkit wheels are worth installing where a GPU is (the extension is built on first
