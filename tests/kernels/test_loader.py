@@ -102,6 +102,7 @@ def test_missing_cuda_home_is_named(monkeypatch):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])  # nor NVIDIA's toolkit wheels
     info = kernels.extension_info()
     assert not info.loaded
     assert "CUDA_HOME" in info.reason and "nvcc" in info.reason
