@@ -185,3 +185,97 @@ def test_a_single_callback_given_as_a_mapping_is_kept(workdir):
                          "'init_args': {'divergence_every_n_steps': 7}}"])
     (callback,) = _cafin_callbacks(cli.trainer)
     assert callback.divergence_every_n_steps == 7
+
+
+# --------------------------------------------------------------------- the CLI explains itself
+
+
+@pytest.mark.parametrize("argv", [[], ["fit"], ["validate", "--trainer.max_steps=3"]], ids=["bare", "fit", "validate"])
+def test_no_config_points_at_the_configs_and_the_quick_start(workdir, capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cafin fit --config configs/quickstart.yaml" in err
+    assert str(REPO / "configs") in err and "quickstart.yaml" in err
+    assert "Quick start" in err
+    assert not (workdir / "lightning_logs").exists()
+
+
+def test_no_config_from_the_console_exits_2_without_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lightning_cafin.cli", "fit"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2
+    assert "configs/quickstart.yaml" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("--optimizer.init_args.lr=-1", "--optimizer.init_args.lr=-1.0 is refused by AdaFisher: lr must be >= 0"),
+        ("--optimizer.init_args.beta=1.5", "--optimizer.init_args.beta=1.5 is refused by AdaFisher"),
+        ("--optimizer.init_args.Lambda=0", "--optimizer.init_args.Lambda=0.0 is refused by AdaFisher"),
+    ],
+)
+def test_refused_hyperparameter_is_a_usage_error_naming_it(workdir, capsys, override, named):
+    # (one step at most, should the refusal ever fail)
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), override, "--trainer.max_steps=1",
+               "--trainer.limit_val_batches=0"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+    assert "Traceback" not in err
+    assert not (workdir / "lightning_logs").exists(), "refused before any logger exists"
+
+
+def test_refused_hyperparameter_from_the_console_has_no_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lightning_cafin.cli", "fit", "--config",
+                          str(REPO / "configs" / "quickstart.yaml"), "--optimizer.init_args.lr=-1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "usage: cafin" in out.stderr and "--optimizer.init_args.lr=-1.0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_data_names_the_root_and_download_options(workdir, capsys):
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+               "--data.init_args.dataset=mnist", f"--data.init_args.root={workdir / 'empty'}"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--data.init_args.root=" in err and "--data.init_args.download=true" in err
+    assert "download: true" in err
+
+
+def test_a_run_that_fails_before_training_leaves_no_log_version(workdir, capsys):
+    (workdir / "lightning_logs" / "quickstart" / "version_0").mkdir(parents=True)  # an earlier run's
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+               "--data.init_args.dataset=mnist", f"--data.init_args.root={workdir / 'empty'}"])
+    assert rc == 2
+    assert sorted(p.name for p in (workdir / "lightning_logs" / "quickstart").iterdir()) == ["version_0"]
+
+
+def test_a_run_that_fails_before_training_removes_the_folders_it_made(workdir, capsys):
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"),
+               "--data.init_args.dataset=mnist", f"--data.init_args.root={workdir / 'empty'}"])
+    assert rc == 2
+    assert not (workdir / "lightning_logs").exists()
+
+
+@needs_fashion
+def test_a_fit_shorter_than_the_logging_interval_warns_and_the_warning_is_true(workdir):
+    with pytest.warns(UserWarning, match=r"max_steps=3 is below the logging interval \(log_every_n_steps=25\): "
+                                         r"no cafin/ scalars will be written"):
+        rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.max_steps=3",
+                   "--trainer.limit_val_batches=1", "--data.init_args.train_subset=512"])
+    assert rc == 0
+    log_dir = workdir / "lightning_logs" / "quickstart" / "version_0"
+    acc = EventAccumulator(str(next(log_dir.glob("events.*"))))
+    acc.Reload()
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("cafin/")]
+
+
+@needs_fashion
+def test_a_fit_as_long_as_the_logging_interval_does_not_warn(workdir, recwarn):
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.max_steps=2",
+               "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=1", "--data.init_args.train_subset=512"])
+    assert rc == 0
+    assert not [w for w in recwarn if "below the logging interval" in str(w.message)]

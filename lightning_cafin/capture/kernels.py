@@ -56,21 +56,25 @@ def get_impl() -> str:
     return _impl
 
 
-_EXT: Optional[ModuleType] = None  # cached once loaded: the hooks ask on every call
+_EXT: Optional[ModuleType] = None  # the loader's module once it proved to have the capture kernels (hot path)
+
+
+def loaded_extension() -> Optional[ModuleType]:
+    """The extension if a capture already loaded it, else None (never loads or builds)."""
+    return _EXT
 
 
 def _extension() -> Optional[ModuleType]:
     global _EXT
     if _EXT is not None:
         return _EXT
-    from ..kernels.loader import extension_info, load_extension
+    from ..kernels.loader import extension_info, extension_or_none
 
-    info = extension_info()
-    if not info.loaded:
+    ext = extension_or_none()
+    if ext is None:
         if get_impl() == "kernels":
-            raise RuntimeError(f"capture kernels requested but unavailable: {info.reason}")
+            raise RuntimeError(f"capture kernels requested but unavailable: {extension_info().reason}")
         return None
-    ext = load_extension()
     if not hasattr(ext, "channel_stats"):  # an extension built before the capture kernels existed
         if get_impl() == "kernels":
             raise RuntimeError("the loaded lightning_cafin extension has no capture kernels; rebuild it")

@@ -111,7 +111,7 @@ def beside(*reads: Tensor):
     all of them (instead of one per op), ``reads`` marked as read there.  A no-op (the
     ops then order themselves, or stay on the current stream) when the side stream is
     off or suspended, for CPU tensors, or before the extension is loaded."""
-    ext = _kernels._EXT
+    ext = _kernels.loaded_extension()
     if ext is None or not enabled() or getattr(_local, "off", False) or not reads[0].is_cuda:
         return _NULL
     return _Beside(ext, list(reads))
@@ -119,11 +119,13 @@ def beside(*reads: Tensor):
 
 def join() -> None:
     """Make the current stream of every device with side work wait for it."""
-    if _kernels._EXT is not None:
-        _kernels._EXT.capture_join()
+    ext = _kernels.loaded_extension()
+    if ext is not None:
+        ext.capture_join()
 
 
 def release() -> None:
     """After the statistics were consumed: the side streams wait for the current streams."""
-    if _kernels._EXT is not None:
-        _kernels._EXT.capture_release()
+    ext = _kernels.loaded_extension()
+    if ext is not None:
+        ext.capture_release()

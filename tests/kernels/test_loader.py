@@ -7,7 +7,9 @@ checks are exercised on any machine, with or without CUDA.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -100,6 +102,7 @@ def test_missing_cuda_home_is_named(monkeypatch):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])  # nor NVIDIA's toolkit wheels
     info = kernels.extension_info()
     assert not info.loaded
     assert "CUDA_HOME" in info.reason and "nvcc" in info.reason
@@ -248,12 +251,13 @@ def test_successful_load_reports_loaded(monkeypatch, fake_toolchain):
 
 
 def test_build_dir_is_keyed_on_versions_and_arch(monkeypatch, fake_toolchain):
-    tool = {"nvcc_version": "13.0", "arch_list": "9.0", "cuda_home": str(fake_toolchain)}
+    tool = {"nvcc_version": "13.0", "arch_list": "9.0", "cuda_home": str(fake_toolchain), "host_compiler": "c++ 12"}
     first = loader._build_dir(tool)
     assert torch.__version__.split("+")[0] in first.name
     assert "cu130" in first.name
     assert loader._build_dir({**tool, "arch_list": "8.0;9.0"}) != first
     assert loader._build_dir({**tool, "cuda_home": "/opt/other-cuda"}) != first
+    assert loader._build_dir({**tool, "host_compiler": "c++ 13"}) != first
     assert loader._build_dir(dict(tool)) == first
 
 
@@ -287,5 +291,240 @@ def test_cli_reports_and_fails_without_toolchain(monkeypatch, capsys):
 
 
 def test_sources_are_present():
-    for name in loader._SOURCES + loader._HEADERS:
+    names = loader.source_files() + loader.header_files()
+    assert {"bindings.cpp", "adafisher_step.cu", "adafisher_step.h", "vector_io.cuh"} <= set(names)
+    for name in names:
         assert (loader._CSRC_DIR / name).is_file(), name
+
+
+# ------------------------------------------------------------------ csrc by glob, cache keys
+
+
+def test_csrc_is_found_by_glob_and_every_file_keys_the_cache(monkeypatch, tmp_path):
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(loader._CSRC_DIR, csrc)
+    monkeypatch.setattr(loader, "_CSRC_DIR", csrc)
+    before = loader.source_hash()
+    (csrc / "new_kernel.cu").write_text("// a new translation unit\n")
+    (csrc / "new_helpers.cuh").write_text("// a new header\n")
+    assert "new_kernel.cu" in loader.source_files()
+    assert "new_helpers.cuh" in loader.header_files() and "new_helpers.cuh" not in loader.source_files()
+    after_add = loader.source_hash()
+    assert after_add != before
+    (csrc / "new_helpers.cuh").write_text("// edited\n")
+    assert loader.source_hash() != after_add
+
+
+def _tool(home="/usr/local/cuda"):
+    return {"nvcc_version": "13.0", "arch_list": "9.0", "cuda_home": home, "host_compiler": "c++ 12"}
+
+
+def test_two_environments_get_two_cache_folders(monkeypatch):
+    first = loader._build_dir(_tool())
+    monkeypatch.setattr(sys, "prefix", "/some/other/venv")
+    assert loader._build_dir(_tool()) != first
+
+
+def test_python_version_keys_the_cache(monkeypatch):
+    first = loader.build_key(_tool())
+    monkeypatch.setattr(sys, "version", "3.99.0 (fake)")
+    assert loader.build_key(_tool())["python"] != first["python"]
+
+
+# ------------------------------------------------------------------ NVIDIA's toolkit wheels
+
+
+def _fake_wheel_tree(base: Path, release: str = "13.0", cccl: bool = True) -> Path:
+    """site-packages/nvidia with the CUDA 13 wheels' one-tree layout (nvidia/cu13)."""
+    root = base / "nvidia" / "cu13"
+    home = _fake_cuda_home(tmp_path=base, release=release)  # bin/nvcc and include/cuda_runtime.h
+    root.parent.mkdir(parents=True)
+    home.rename(root)
+    if cccl:
+        (root / "include" / "cub").mkdir()
+    (root / "nvvm" / "bin").mkdir(parents=True)
+    (root / "lib").mkdir()
+    (root / "lib" / "libcudart.so.13").write_text("")
+    return base / "nvidia"
+
+
+@pytest.fixture
+def no_system_toolkit(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+    monkeypatch.setattr(loader, "_ninja_available", lambda: True)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])
+
+
+def test_no_toolkit_names_the_cuda_build_extra(monkeypatch, no_system_toolkit):
+    _no_real_build(monkeypatch)
+    info = kernels.extension_info()
+    assert not info.loaded
+    assert 'pip install "lightning-cafin[cuda-build]"' in info.reason
+    assert "CUDA_HOME" in info.reason
+
+
+def test_no_toolkit_for_another_cuda_names_matching_wheels(monkeypatch, no_system_toolkit):
+    _no_real_build(monkeypatch)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    info = kernels.extension_info()
+    assert '"nvidia-cuda-nvcc-cu12==12.8.*"' in info.reason and "cuda-cccl-cu12" in info.reason
+
+
+@pytest.mark.skipif(sys.platform.startswith("win"), reason="the fake nvcc is a POSIX shell script")
+def test_the_wheels_make_a_toolkit_when_no_nvcc_is_found(monkeypatch, tmp_path, no_system_toolkit):
+    nvidia = _fake_wheel_tree(tmp_path / "site")
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen["home"] = cpp_extension.CUDA_HOME
+        return type(sys)("fake_ext")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    info = kernels.extension_info()
+    assert info.loaded, info.reason
+    assert "NVIDIA's pip wheels" in info.reason
+    home = Path(seen["home"])
+    assert home.parent == tmp_path / "build-cache"
+    assert (home / "bin" / "nvcc").resolve() == (nvidia / "cu13" / "bin" / "nvcc").resolve()
+    assert (home / "include" / "cuda_runtime.h").is_file()
+    # torch links `-lcudart`: the wheels ship only libcudart.so.13
+    assert (home / "lib64" / "libcudart.so").resolve() == (nvidia / "cu13" / "lib" / "libcudart.so.13").resolve()
+
+
+@pytest.mark.skipif(sys.platform.startswith("win"), reason="the fake nvcc is a POSIX shell script")
+def test_wheels_without_cccl_are_named(monkeypatch, tmp_path, no_system_toolkit):
+    _no_real_build(monkeypatch)
+    nvidia = _fake_wheel_tree(tmp_path / "site", cccl=False)
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
+    info = kernels.extension_info()
+    assert not info.loaded and "nvidia-cuda-cccl" in info.reason
+
+
+@pytest.mark.skipif(sys.platform.startswith("win"), reason="the fake nvcc is a POSIX shell script")
+def test_wheels_win_over_a_system_toolkit_of_another_major(monkeypatch, tmp_path, no_system_toolkit):
+    old = _fake_cuda_home(tmp_path, "12.4")
+    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", str(old))
+    nvidia = _fake_wheel_tree(tmp_path / "site")
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
+    home, source = loader._cuda_home()
+    assert "pip wheels" in source and home != str(old)
+    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])
+    assert loader._cuda_home() == (str(old), str(old))  # without wheels: the mismatch is then reported
+
+
+# ------------------------------------------------------------------ build notice, verbosity
+
+
+def test_a_build_is_announced_on_stderr(monkeypatch, fake_toolchain, capsys):
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen.update(kwargs)
+        return type(sys)("fake_ext")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.delenv("LIGHTNING_CAFIN_VERBOSE_BUILD", raising=False)
+    assert kernels.extension_info().loaded
+    err = capsys.readouterr().err
+    assert re.search(r"building the lightning_cafin CUDA extension, about \d+ minutes?, once per torch/CUDA "
+                     r"version", err), err
+    assert "LIGHTNING_CAFIN_VERBOSE_BUILD=1" in err
+    assert "built the lightning_cafin CUDA extension in" in err
+    assert seen["verbose"] is False
+
+
+def test_no_notice_when_the_cache_holds_the_build(monkeypatch, fake_toolchain, capsys):
+    build_dir = loader._build_dir(loader._check_toolchain())
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{loader.EXTENSION_NAME}.so").write_text("")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: type(sys)("fake_ext"))
+    assert kernels.extension_info().loaded
+    assert "building" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_ninja_output_on_request(monkeypatch, fake_toolchain, capsys, how):
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen.update(kwargs)
+        return type(sys)("fake_ext")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    if how == "env":
+        monkeypatch.setenv("LIGHTNING_CAFIN_VERBOSE_BUILD", "1")
+        assert kernels.extension_info().loaded
+    else:
+        monkeypatch.delenv("LIGHTNING_CAFIN_VERBOSE_BUILD", raising=False)
+        assert loader.main(["--build", "--verbose"]) == 0
+    assert seen["verbose"] is True
+
+
+def test_extension_or_none(monkeypatch, fake_toolchain):
+    sentinel = type(sys)("fake_ext")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: sentinel)
+    assert loader.extension_or_none() is sentinel
+
+
+def test_extension_or_none_without_toolchain(monkeypatch):
+    _no_real_build(monkeypatch)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert loader.extension_or_none() is None
+    assert "CPU-only" in loader.extension_info().reason
+
+
+def test_top_level_extension_info_is_the_loaders():
+    import lightning_cafin
+
+    assert lightning_cafin.extension_info is loader.extension_info
+
+
+# ------------------------------------------------------------------ a copy built at install time
+
+
+def _prebuilt(monkeypatch, tmp_path, **overrides):
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    (prebuilt / "lightning_cafin_C.so").write_text("")
+    key = {**loader._runtime_key(), **overrides}
+    (prebuilt / "build.json").write_text(json.dumps({"runtime_key": key, "arch": "9.0",
+                                                     "file": "lightning_cafin_C.so"}))
+    monkeypatch.setattr(loader, "PREBUILT_DIR", prebuilt)
+    sentinel = type(sys)("prebuilt_ext")
+    monkeypatch.setattr(loader, "_import_from", lambda path: sentinel)
+    return sentinel
+
+
+def test_a_prebuilt_copy_that_fits_is_loaded_without_a_toolchain(monkeypatch, tmp_path):
+    _no_real_build(monkeypatch)
+    sentinel = _prebuilt(monkeypatch, tmp_path)
+    monkeypatch.setattr(loader, "_check_toolchain", lambda: pytest.fail("no toolchain check needed"))
+    assert loader.extension_or_none() is sentinel
+    assert "built at install time" in loader.extension_info().reason
+
+
+def test_a_prebuilt_copy_for_another_torch_is_ignored(monkeypatch, tmp_path):
+    _no_real_build(monkeypatch)
+    _prebuilt(monkeypatch, tmp_path, torch="0.0.1")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert loader.extension_or_none() is None
+    assert "CPU-only" in loader.extension_info().reason
+
+
+def test_a_prebuilt_copy_for_another_gpu_is_ignored(monkeypatch, tmp_path):
+    _prebuilt(monkeypatch, tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+    assert loader._prebuilt() is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    assert loader._prebuilt() is not None

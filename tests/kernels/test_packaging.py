@@ -34,7 +34,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_every_source_the_loader_compiles(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {f"lightning_cafin/csrc/{f}" for f in loader._SOURCES + loader._HEADERS}
+    wanted = {f"lightning_cafin/csrc/{f}" for f in loader.source_files() + loader.header_files()}
     assert wanted <= names, sorted(wanted - names)
 
 
@@ -55,3 +55,30 @@ def test_installed_wheel_loader_uses_packaged_csrc(wheel, tmp_path):
         cwd=tmp_path,
     ).stdout.strip()
     assert Path(found) == target / "lightning_cafin" / "csrc"
+
+
+def test_installed_copy_and_checkout_never_share_a_cache_folder(wheel, tmp_path):
+    """The cache key holds the install location: a pip-installed copy cannot evict the checkout's build."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = ("from lightning_cafin.kernels import loader; print(loader._build_dir({'nvcc_version': '13.0', "
+            "'arch_list': '9.0', 'cuda_home': '/usr/local/cuda', 'host_compiler': 'c++'}))")
+    folders = []
+    for where in (target, REPO):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(where), "LIGHTNING_CAFIN_BUILD_DIR": str(tmp_path)},
+                             cwd=tmp_path).stdout.strip()
+        folders.append(Path(out))
+    assert folders[0] != folders[1]
+    assert folders[0].parent == folders[1].parent == tmp_path
+    # Same sources, same toolchain: only the install location differs.
+    assert folders[0].name.rsplit("-", 1)[0] == folders[1].name.rsplit("-", 1)[0]
+
+
+def test_wheel_without_build_request_is_pure_python(wheel):
+    assert wheel.name.endswith("-py3-none-any.whl")
+    assert not any(n.startswith("lightning_cafin/kernels/prebuilt/") for n in zipfile.ZipFile(wheel).namelist())
