@@ -153,11 +153,12 @@ def _name_the_argument(message: str, init_args: dict, class_name: str) -> str:
 
 def _warn_if_no_cafin_scalars(trainer: Trainer) -> None:
     """A fit shorter than the logging interval writes no ``cafin/`` scalars: say so before it starts."""
-    if not trainer.loggers or trainer.fast_dev_run or trainer.max_steps is None or trainer.max_steps < 0:
+    # (attributes Lightning sets in its connectors, which its type hints do not declare)
+    fast_dev_run, callbacks = getattr(trainer, "fast_dev_run", False), getattr(trainer, "callbacks", [])
+    if not trainer.loggers or fast_dev_run or trainer.max_steps is None or trainer.max_steps < 0:
         return
-    callbacks = [c for c in trainer.callbacks if isinstance(c, CAFINCallback)]
-    for callback in callbacks:
-        every = callback.log_every_n_steps or trainer.log_every_n_steps
+    for callback in [c for c in callbacks if isinstance(c, CAFINCallback)]:
+        every: int = callback.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50)
         if trainer.max_steps < every:
             rank_zero_warn(
                 f"cafin: --trainer.max_steps={trainer.max_steps} is below the logging interval "
