@@ -158,7 +158,7 @@ def _warn_if_no_cafin_scalars(trainer: Trainer) -> None:
     if not trainer.loggers or fast_dev_run or trainer.max_steps is None or trainer.max_steps < 0:
         return
     for callback in [c for c in callbacks if isinstance(c, CAFINCallback)]:
-        every = int(callback.log_every_n_steps or getattr(trainer, "log_every_n_steps", 50))
+        every = callback.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
         if trainer.max_steps < every:
             rank_zero_warn(
                 f"cafin: --trainer.max_steps={trainer.max_steps} is below the logging interval "
