@@ -110,11 +110,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.blocks is not None and args.blocks < 1:
         raise SystemExit(f"--blocks must be at least 1 (got {args.blocks})")
 
-    results = [] if args.matrix_only else run_table(only, device, quick, args.reps or (3 if quick else 30), args.flat)
     cfg = MatrixConfig.quick() if quick else MatrixConfig()
     if args.blocks is not None:
         cfg.blocks = args.blocks
-    matrix = run_matrix([n for n in MATRIX_WORKLOADS if n in only], workloads(device, quick), device, cfg)
+    threads = torch.get_num_threads()
+    if quick and device.type == "cpu":
+        # tiny shapes gain nothing from intra-op threads, and on a shared CPU spinning
+        # threads make a --quick run ten times slower
+        torch.set_num_threads(1)
+    try:
+        results = [] if args.matrix_only else run_table(only, device, quick, args.reps or (3 if quick else 30), args.flat)
+        matrix = run_matrix([n for n in MATRIX_WORKLOADS if n in only], workloads(device, quick), device, cfg)
+    finally:
+        torch.set_num_threads(threads)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -53,14 +53,15 @@ class MatrixConfig:
 
     @classmethod
     def quick(cls) -> "MatrixConfig":
-        return cls(warmup=2, block=2, blocks=2, sync_reps=3, step_blocks=2)
+        return cls(warmup=3, block=2, blocks=2, sync_reps=3, step_blocks=2)
 
 
 class Trainer:
     """One model, its optimizer and a fixed batch: a train step, a capture step, steps alone."""
 
     def __init__(self, wl: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch, device: torch.device):
-        self.wl, self.model, self.opt, self.device = wl, model, opt, device
+        self.wl, self.model, self.device = wl, model, device
+        self.opt: Any = opt  # AdaFisher's public surface (capture_next_step, memory_usage, backend) or Adam
         self.x, self.y = batch
 
     def step(self) -> None:

@@ -17,22 +17,18 @@ GPU (the wall clock on the CPU):
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import AdaFisher, AdaFisherW
 from ..backends import fused_unavailable_reason
 from ..capture import streams as capture_streams
-from ..models import ResNet18, TransformerClassifier
 from ..monitor.memory import TemporaryMemory
 from .timing import extra_ms, median_ms, sync
 
