@@ -125,3 +125,20 @@ def test_run_peak_on_the_cpu_counts_the_tensors_a_call_holds():
 def test_default_matrix_covers_every_tcov_capture():
     cfg = MatrixConfig()
     assert cfg.blocks * cfg.block % 100 == 0 and cfg.block % 10 == 0  # TCov=100 and 10 captures at their frequency
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quick_matrix_on_the_gpu(tmp_path):
+    """The CUDA-only paths (allocator peaks, device synchronisation, batch sizing) in tiny sizes."""
+    assert bench.main(["--quick", "--matrix-only", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    matrix = json.loads((tmp_path / "bench.json").read_text())["matrix"]["workloads"]
+    assert tuple(matrix) == MATRIX
+    for name, wl in matrix.items():
+        mem = wl["memory"]
+        # above what was allocated before the model was built: at least the parameters and gradients
+        params = sum(p.numel() * 4 for p in workloads(torch.device("cuda"), quick=True)[name].make_model().parameters())
+        assert mem["adafisher"]["normal_peak_mb"] * 2**20 >= 2 * params, (name, mem)
+        assert mem["adafisher"]["capture_peak_mb"] > 0 and mem["adam"]["normal_peak_mb"] > 0
+        for where, value in ratio_values(wl, name):
+            assert math.isfinite(value) and value > 0, (where, value)
