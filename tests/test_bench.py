@@ -1,8 +1,35 @@
 """The benchmark runs end to end in --quick mode and records what it measured, with provenance."""
 
 import json
+import math
+
+import pytest
+import torch
 
 from lightning_cafin import bench
+from lightning_cafin.bench.matrix import MatrixConfig, goals, goals_table
+from lightning_cafin.bench.timing import quantile, run_peak, spread
+from lightning_cafin.bench.workloads import workloads
+
+MATRIX = ("resnet18", "resnet18-bf16cl", "resnet50", "gpt")
+
+
+def ratio_values(tree, path=""):
+    """Every number under a key that names a ratio, with where it was."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            here = f"{path}.{k}"
+            if "ratio" in k:
+                if isinstance(v, dict):  # a spread of paired ratios
+                    for stat in ("median", "p10", "p90"):
+                        yield f"{here}.{stat}", v[stat]
+                else:
+                    yield here, v
+            else:
+                yield from ratio_values(v, here)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from ratio_values(v, f"{path}[{i}]")
 
 
 def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
@@ -20,5 +47,98 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert eager and all(r["capture_ms"] is not None for r in eager)
     assert set(record["ratios"]) == {r["workload"] for r in rows}
     assert (tmp_path / "bench.png").stat().st_size > 0  # matplotlib is a dev dependency
+
+    matrix = record["matrix"]["workloads"]
+    assert tuple(matrix) == MATRIX
+    for name, wl in matrix.items():
+        assert {"description", "optimizer", "baseline", "backend", "memory", "sync", "optimizer_step", "state",
+                "pipelined", "warnings", "goals"} <= set(wl), name
+        assert wl["optimizer"] == ("AdaFisherW" if name == "gpt" else "AdaFisher")
+        assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
+        assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
+                "capture_above_normal_ms"} <= set(wl["sync"])
+        assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
+        assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
+        assert wl["state"]["adafisher_bytes"]["total"] > 0 and wl["state"]["adam_bytes"] > 0
+        found = dict(ratio_values(wl, name))
+        assert len(found) >= 20, found
+        for where, value in found.items():
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
+        figures = [g["figure"] for g in wl["goals"]]
+        assert len(figures) == 8 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
     out = capsys.readouterr().out
     assert "step_ms" in out and "faster than reference" in out
+    last = out.strip().splitlines()
+    assert last[-33].split()[:2] == ["workload", "figure"]  # the goals table prints last: 4 workloads x 8 figures
+    assert all(line.split()[0] in MATRIX for line in last[-32:])
+
+
+def test_matrix_only_and_only_select_workloads(tmp_path, capsys):
+    assert bench.main(["--quick", "--matrix-only", "--only", "gpt", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["results"] == [] and list(record["matrix"]["workloads"]) == ["gpt"]
+    assert "step_ms" not in capsys.readouterr().out  # no optimizer-step table
+    with pytest.raises(SystemExit, match="--only: unknown workload"):
+        bench.main(["--quick", "--only", "resnet99", "--out", str(tmp_path)])
+
+
+def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=1.0, step=0.5):
+    med = lambda v: {"median": v, "p10": v, "p90": v, "n": 1}
+    return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0}},
+            "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
+                     "capture_vs_normal_ratio": med(capture_ratio)},
+            "memory": {"capture_vs_normal_ratio": peak}, "optimizer_step": {"vs_adam_ratio": med(step)},
+            "state": {"vs_adam_ratio": 1.1}}
+
+
+def test_goals_are_judged_against_the_issue_limits():
+    wls = workloads(torch.device("cpu"), quick=True)
+    verdict = lambda name, **kw: {g["figure"]: g["met"] for g in goals(wls[name], synthetic(**kw))}
+    good = verdict("resnet18")
+    assert good["pipelined TCov=1 vs Adam"] is None and good["optimizer state vs Adam"] is None
+    assert all(v for k, v in good.items() if v is not None)
+    assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
+    assert verdict("resnet18", pipelined=1.03)["pipelined TCov=10 vs Adam"] is True
+    assert verdict("resnet18", sync=1.04)["sync normal step vs Adam"] is False
+    assert verdict("resnet18", capture_ms=1.5)["sync capture step above normal"] is False
+    assert verdict("gpt", capture_ratio=1.06)["sync capture step vs normal"] is False
+    assert verdict("resnet50", capture_ms=100.0)["sync capture step vs normal"] is True  # judged as a ratio there
+    assert verdict("gpt", peak=1.06)["capture-step peak memory vs normal"] is False
+    assert verdict("gpt", step=0.61)["optimizer step vs Adam (eager)"] is False
+    table = goals_table({"gpt": {"goals": goals(wls["gpt"], synthetic(step=0.61))}})
+    assert "NOT MET" in table and "<= 0.6x" in table
+
+
+def test_spread_and_quantile():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
+    assert spread([1.0, 2.0, 3.0, 4.0]) == {"median": 2.5, "p10": pytest.approx(1.3), "p90": pytest.approx(3.7), "n": 4}
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+
+
+def test_run_peak_on_the_cpu_counts_the_tensors_a_call_holds():
+    before, peak = run_peak(lambda: torch.empty(1000, dtype=torch.float32).sum(), torch.device("cpu"))
+    assert before == 0 and peak >= 4000
+
+
+def test_default_matrix_covers_every_tcov_capture():
+    cfg = MatrixConfig()
+    assert cfg.blocks * cfg.block % 100 == 0 and cfg.block % 10 == 0  # TCov=100 and 10 captures at their frequency
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quick_matrix_on_the_gpu(tmp_path):
+    """The CUDA-only paths (allocator peaks, device synchronisation, batch sizing) in tiny sizes."""
+    assert bench.main(["--quick", "--matrix-only", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    matrix = json.loads((tmp_path / "bench.json").read_text())["matrix"]["workloads"]
+    assert tuple(matrix) == MATRIX
+    for name, wl in matrix.items():
+        mem = wl["memory"]
+        # above what was allocated before the model was built: at least the parameters and gradients
+        params = sum(p.numel() * 4 for p in workloads(torch.device("cuda"), quick=True)[name].make_model().parameters())
+        assert mem["adafisher"]["normal_peak_mb"] * 2**20 >= 2 * params, (name, mem)
+        assert mem["adafisher"]["capture_peak_mb"] > 0 and mem["adam"]["normal_peak_mb"] > 0
+        for where, value in ratio_values(wl, name):
+            assert math.isfinite(value) and value > 0, (where, value)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_cafin"
-TOOLS = [ROOT / "tests", ROOT / "scripts", ROOT / "benchmarks", ROOT / "examples", PACKAGE / "bench.py"]
+TOOLS = [ROOT / "tests", ROOT / "scripts", ROOT / "benchmarks", ROOT / "examples", PACKAGE / "bench"]
 
 #: Accesses left to the work that owns those modules, until they offer a public accessor:
 #: the extension loader's tests read its cache and build-directory helpers, and two

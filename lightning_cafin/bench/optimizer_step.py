@@ -1,4 +1,4 @@
-"""``python -m lightning_cafin.bench``: AdaFisher's backends beside torch's Adam and SGD, measured in one run.
+"""The optimizer-step table: AdaFisher's backends beside torch's Adam and SGD, measured in one run.
 
 Workloads: the paper's CIFAR ResNet-18 (batch 256), a small transformer (LayerNorm +
 Linear, AdaFisherW) and a large flat set of Linear weights sized to the device (up to
@@ -13,35 +13,24 @@ GPU (the wall clock on the CPU):
 * ``state_mb``: optimizer state (momentum, factors, caches; Adam's two moments);
 * ``GBps`` and ``of_copy``: on the flat set, bytes the step must move over its time,
   and that as a fraction of a device copy measured in the same run.
-
-It prints a table, and writes ``bench.json`` (with the run's provenance) and
-``bench.png`` (when matplotlib is installed) to ``--out``.  ``--quick`` shrinks
-everything so that CI can run it on a CPU in seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import statistics
-import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import AdaFisher, AdaFisherW
-from .backends import fused_unavailable_reason
-from .capture import streams as capture_streams
-from .models import ResNet18, TransformerClassifier
-from .monitor.memory import TemporaryMemory
-from .optimizer import _AdaFisherBase
-from .provenance import provenance
+from .. import AdaFisher, AdaFisherW
+from ..backends import fused_unavailable_reason
+from ..capture import streams as capture_streams
+from ..monitor.memory import TemporaryMemory
+from .timing import extra_ms, median_ms, sync
 
 
 @dataclass
@@ -65,40 +54,7 @@ class Variant:
     graph: bool = False  # replay the step from a CUDA graph
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """One call of fn, from an idle device to its completion."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def median_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(_time_ms(fn, device) for _ in range(reps))
-
-
-def extra_ms(base: Callable[[], object], more: Callable[[], object], device: torch.device, reps: int,
-             warmup: int = 2) -> float:
-    """Median over interleaved pairs of (time of more - time of base).  Two medians taken
-    one after the other drift apart with clocks and allocator state by more than a
-    millisecond on a 14 ms step; pairs measured back to back do not."""
-    for _ in range(warmup):
-        base()
-        more()
-    return statistics.median(_time_ms(more, device) - _time_ms(base, device) for _ in range(reps))
+ADAFISHERS = (AdaFisher, AdaFisherW)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -113,7 +69,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     for state in opt.state.values():
         for v in state.values():
             add(v)
-    if isinstance(opt, _AdaFisherBase):
+    if isinstance(opt, ADAFISHERS):
         usage = opt.memory_usage()
         total += usage["factors"] + usage["cached_fisher"]
     return total
@@ -178,17 +134,17 @@ def _bench_variant(name: str, v: Variant, model: nn.Module, inputs, target, loss
         warnings.simplefilter("ignore")
         for _ in range(2):
             train_step()  # step 0 is a capture step; after it none (TCov is huge)
-        _sync(device)
+        sync(device)
         step = _graphed(opt, device) if v.graph else opt.step
         res.step_ms = median_ms(step, device, reps)
         with TemporaryMemory(device) as mem:
             step()
-            _sync(device)
+            sync(device)
         res.temp_mb = mem.bytes / 2**20
         res.state_mb = state_bytes(opt) / 2**20
         if not v.graph:
             res.train_step_ms = median_ms(train_step, device, reps)
-        if isinstance(opt, _AdaFisherBase) and not v.graph:
+        if isinstance(opt, ADAFISHERS) and not v.graph:
             ada = opt
 
             def capturing_fwd_bwd() -> None:
@@ -225,7 +181,7 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
         opt = v.make(layers)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if isinstance(opt, _AdaFisherBase):
+            if isinstance(opt, ADAFISHERS):
                 # factors as after a capture: ~U(0.08, 0.088); the first step (a capture step
                 # where no layer fired) keeps them
                 opt.binding.load_state_dict({name: {"S": 0.08 + 0.008 * torch.rand(width, device=device),
@@ -236,7 +192,7 @@ def bench_flat(total: int, width: int, device, reps, lr, wd) -> list[Result]:
             ms = median_ms(step, device, reps)
             with TemporaryMemory(device) as mem:
                 step()
-                _sync(device)
+                sync(device)
         elems = n * width * width
         moved = (28 if "Adam" in v.name else 20) * elems  # Adam: r p,g,m,v w p,m,v; AdaFisher/SGD: r p,g,m w p,m
         gbps = moved / (ms * 1e-3) / 1e9
@@ -296,67 +252,3 @@ def plot(results: list[Result], path: Path) -> Optional[str]:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return None
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_cafin.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (CI on a CPU)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--flat", type=float, default=None, help="flat parameter count (default: sized to the device)")
-    ap.add_argument("--only", default=None, help="comma list of workloads: resnet18,transformer,flat")
-    args = ap.parse_args(argv)
-    raw_argv = argv if argv is not None else __import__("sys").argv[1:]
-    device = torch.device(args.device)
-    quick = args.quick
-    reps = args.reps or (3 if quick else 30)
-    only = set(args.only.split(",")) if args.only else {"resnet18", "transformer", "flat"}
-    torch.manual_seed(0)
-    results: list[Result] = []
-
-    if "resnet18" in only:
-        bs, width = (4, 8) if quick else (256, 64)
-        net: nn.Module = ResNet18(10, 3, width)
-        batch = lambda: (torch.randn(bs, 3, 32, 32, device=device), torch.randint(0, 10, (bs,), device=device))
-        print(f"== CIFAR ResNet-18 (width {width}, batch {bs}) on {device}", flush=True)
-        results += bench_model(f"resnet18 b{bs}", net, batch, F.cross_entropy, AdaFisher, device, reps, 1e-3, 5e-4)
-    if "transformer" in only:
-        bs, T, dim, depth = (4, 16, 32, 2) if quick else (64, 128, 256, 4)
-        net = TransformerClassifier(vocab=1000, num_classes=10, dim=dim, depth=depth, heads=4, max_len=T)
-        batch = lambda: (torch.randint(0, 1000, (bs, T), device=device), torch.randint(0, 10, (bs,), device=device))
-        print(f"== transformer (dim {dim}, depth {depth}, batch {bs}x{T}) on {device}", flush=True)
-        results += bench_model(f"transformer b{bs}", net, batch, F.cross_entropy, AdaFisherW, device, reps, 1e-3, 1e-2)
-    if "flat" in only:
-        if args.flat is not None:
-            total = int(args.flat)
-        elif quick:
-            total = 1 << 20
-        elif device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-            total = int(min(1e9, free / 44))  # p, g, states, caches, a reference F: < 40 B/element, rounded up to whole layers
-        else:
-            total = 1 << 24
-        width = 1024 if quick else 8192
-        print(f"== flat parameter set ({total / 1e6:.0f}M elements) on {device}", flush=True)
-        results += bench_flat(total, width, device, reps, 1e-3, 0.0)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = ratios(results)
-    record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)),
-              "results": [asdict(r) for r in results], "ratios": summary}
-    (out / "bench.json").write_text(json.dumps(record, indent=2))
-    chart_note = plot(results, out / "bench.png")
-    print(table(results))
-    for wl, r in summary.items():
-        svs = "-" if r["step_vs_fused_adam"] is None else f"{r['step_vs_fused_adam']:.2f}x"
-        spd = "-" if r["speedup_vs_reference"] is None else f"{r['speedup_vs_reference']:.1f}x"
-        print(f"{wl}: {r['variant']} step = {svs} of torch fused Adam's, {spd} faster than reference")
-    print(f"wrote {out / 'bench.json'}" + (f"; {chart_note}" if chart_note else f" and {out / 'bench.png'}"))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

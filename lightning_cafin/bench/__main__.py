@@ -1,0 +1,5 @@
+"""``python -m lightning_cafin.bench``."""
+
+from . import main
+
+raise SystemExit(main())

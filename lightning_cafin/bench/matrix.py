@@ -1,0 +1,311 @@
+"""The workload matrix: AdaFisher against torch's Adam/AdamW(fused=True) on what users train.
+
+For each workload (``workloads.py``), on the same model, batch and precision:
+
+* ``pipelined``: train steps (zero_grad, forward, backward, step) back to back with no
+  synchronisation, timed in blocks of ``block`` steps (wall clock between two device
+  synchronisations, divided by the steps), for AdaFisher at TCov = 100 / 10 / 1 and Adam.
+  Blocks of the four variants alternate, so each AdaFisher block has an Adam block beside
+  it.  ``ratio`` is AdaFisher's total time over Adam's (captures counted at their
+  frequency: ``blocks * block`` is a multiple of 100 by default); ``block_ratio`` the
+  spread of the paired per-block ratios.
+* ``sync``: one train step at a time with a synchronisation after each (what a loop that
+  reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
+  step, interleaved; medians and p10/p90 of the paired ratios and differences.
+* ``memory``: each optimizer alone on its own model: the allocator's peak during one
+  normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
+  what was allocated before the model was built.  On the CPU the peak is the resident
+  parameters, gradients and state plus the tensors the step creates.
+* ``optimizer_step``: ``optimizer.step()`` alone (eager, a normal step), blocks of steps
+  back to back, interleaved with Adam's.
+* ``state``: optimizer-state bytes (AdaFisher's ``memory_usage()``, Adam's two moments).
+
+:func:`goals` sets each figure beside its goal (issue 16) and says whether it is met.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .timing import elapsed_ms, run_peak, spread
+from .workloads import Workload
+
+TCOVS = (100, 10, 1)
+#: AdaFisher's schedule in the sync / memory / step measurements: only forced steps capture
+NEVER = 10**9
+
+
+@dataclass
+class MatrixConfig:
+    warmup: int = 5  # train steps per variant before anything is timed (step 0 binds and captures)
+    block: int = 10  # steps per timed block (pipelined and optimizer-step)
+    blocks: int = 10  # timed blocks per variant (pipelined)
+    sync_reps: int = 30  # step-synchronous steps per variant
+    step_blocks: int = 15  # timed blocks per optimizer (optimizer step alone)
+
+    @classmethod
+    def quick(cls) -> "MatrixConfig":
+        return cls(warmup=3, block=2, blocks=2, sync_reps=3, step_blocks=2)
+
+
+class Trainer:
+    """One model, its optimizer and a fixed batch: a train step, a capture step, steps alone."""
+
+    def __init__(self, wl: Workload, model: nn.Module, opt: torch.optim.Optimizer, batch, device: torch.device):
+        self.wl, self.model, self.device = wl, model, device
+        self.opt: Any = opt  # AdaFisher's public surface (capture_next_step, memory_usage, backend) or Adam
+        self.x, self.y = batch
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.wl.loss(self.model, self.x, self.y, self.device).backward()
+        self.opt.step()
+
+    def capture_step(self) -> None:
+        self.opt.capture_next_step()  # AdaFisher's public request: the next step captures
+        self.step()
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+    def optimizer_steps(self, n: int) -> None:
+        for _ in range(n):
+            self.opt.step()
+
+
+def adafisher(wl: Workload, device: torch.device, batch, TCov: int) -> Trainer:
+    model = wl.model(device)
+    return Trainer(wl, model, wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=TCov), batch, device)
+
+
+def adam(wl: Workload, device: torch.device, batch) -> Trainer:
+    model = wl.model(device)
+    opt = wl.adam_cls(model.parameters(), lr=wl.lr, weight_decay=wl.weight_decay, fused=True)
+    return Trainer(wl, model, opt, batch, device)
+
+
+def adam_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def resident_bytes(t: Trainer) -> int:
+    """Parameters, gradients and optimizer state held between steps."""
+    params = list(t.model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state = t.opt.memory_usage()["total"] if hasattr(t.opt, "memory_usage") else adam_state_bytes(t.opt)
+    return sum(p.numel() * p.element_size() for p in params) + grads + state
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """``reps`` rounds of every fn, the order rotated each round so none always goes first."""
+    keys = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(reps):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            out[k].append(fns[k]())
+    return out
+
+
+def _paired(num: list[float], den: list[float], op: Callable[[float, float], float]) -> dict[str, float]:
+    return spread([op(a, b) for a, b in zip(num, den)])
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b
+
+
+def _diff(a: float, b: float) -> float:
+    return a - b
+
+
+def _memory_of(name: str, wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, float]:
+    """One optimizer alone: its peak per step type; everything it built is gone when this returns."""
+    _free(device)
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    t = adam(wl, device, batch) if name == "adam" else adafisher(wl, device, batch, NEVER)
+    t.steps(cfg.warmup)
+    kinds = {"normal": t.step} if name == "adam" else {"normal": t.step, "capture": t.capture_step}
+    row: dict[str, float] = {}
+    for kind, fn in kinds.items():
+        before, peak = run_peak(fn, device)
+        total = peak - baseline if device.type == "cuda" else resident_bytes(t) + peak
+        row[f"{kind}_peak_mb"] = total / 2**20
+        row[f"{kind}_above_start_mb"] = (peak - before) / 2**20
+    return row
+
+
+def measure_memory(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
+    """Peak bytes of one step per step type, each optimizer alone on the device."""
+    out: dict[str, Any] = {name: _memory_of(name, wl, device, batch, cfg) for name in ("adam", "adafisher")}
+    _free(device)
+    ada = out["adafisher"]
+    out["capture_vs_normal_ratio"] = ada["capture_peak_mb"] / ada["normal_peak_mb"]
+    out["normal_vs_adam_ratio"] = ada["normal_peak_mb"] / out["adam"]["normal_peak_mb"]
+    return out
+
+
+def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
+    """Step-synchronous train steps, the optimizer step alone, and the state bytes."""
+    base, ada = adam(wl, device, batch), adafisher(wl, device, batch, NEVER)
+    base.steps(cfg.warmup)
+    ada.steps(cfg.warmup)
+    sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
+                         "normal": functools.partial(elapsed_ms, ada.step, device),
+                         "capture": functools.partial(elapsed_ms, ada.capture_step, device)}, cfg.sync_reps)
+    # gradients are left from the last train step; AdaFisher's next step is a normal one
+    def per_step(t: Trainer) -> float:
+        return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
+
+    alone = _interleaved({"adam": functools.partial(per_step, base), "adafisher": functools.partial(per_step, ada)},
+                         cfg.step_blocks)
+    ada_state = ada.opt.memory_usage()
+    adam_state = adam_state_bytes(base.opt)
+    result = {
+        "backend": ada.opt.backend,
+        "sync": {"adam_ms": spread(sync["adam"]), "normal_ms": spread(sync["normal"]),
+                 "capture_ms": spread(sync["capture"]),
+                 "normal_vs_adam_ratio": _paired(sync["normal"], sync["adam"], _ratio),
+                 "capture_vs_normal_ratio": _paired(sync["capture"], sync["normal"], _ratio),
+                 "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff)},
+        "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
+                           "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
+        "state": {"adafisher_bytes": ada_state, "adam_bytes": adam_state,
+                  "vs_adam_ratio": ada_state["total"] / adam_state},
+    }
+    del base, ada
+    _free(device)
+    return result
+
+
+def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
+    """Back-to-back train steps in alternating blocks: AdaFisher at each TCov and Adam."""
+    trainers = {"adam": adam(wl, device, batch)}
+    trainers.update({f"tcov{c}": adafisher(wl, device, batch, c) for c in TCOVS})
+    for t in trainers.values():
+        t.steps(cfg.warmup)
+
+    def block(t: Trainer) -> float:
+        return elapsed_ms(functools.partial(t.steps, cfg.block), device) / cfg.block
+
+    times = _interleaved({k: functools.partial(block, t) for k, t in trainers.items()}, cfg.blocks)
+    out: dict[str, Any] = {"adam_ms": spread(times["adam"])}
+    for c in TCOVS:
+        k = f"tcov{c}"
+        out[k] = {"ms": spread(times[k]), "ratio": sum(times[k]) / sum(times["adam"]),
+                  "block_ratio": _paired(times[k], times["adam"], _ratio)}
+    del trainers
+    _free(device)
+    return out
+
+
+def measure(wl: Workload, device: torch.device, cfg: MatrixConfig) -> dict[str, Any]:
+    """Every figure of one workload; warnings the optimizer raised are kept, once each."""
+    batch = wl.batch(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result: dict[str, Any] = {"description": wl.description, "optimizer": wl.ada_cls.__name__,
+                                  "baseline": f"{wl.adam_cls.__name__}(fused=True)"}
+        result["memory"] = measure_memory(wl, device, batch, cfg)
+        result.update(measure_sync_step_state(wl, device, batch, cfg))
+        result["pipelined"] = measure_pipelined(wl, device, batch, cfg)
+    result["warnings"] = sorted({str(w.message) for w in caught})
+    result["goals"] = goals(wl, result)
+    return result
+
+
+@dataclass
+class Goal:
+    figure: str
+    value: float
+    unit: str  # "x" (a ratio) or "ms"
+    limit: Optional[float]  # None: reported, no goal
+    met: Optional[bool]
+
+    @property
+    def text(self) -> str:
+        return f"{self.value:.3f}x" if self.unit == "x" else f"{self.value:+.2f} ms"
+
+    @property
+    def goal_text(self) -> str:
+        if self.limit is None:
+            return "-"
+        return f"<= {self.limit:g}x" if self.unit == "x" else f"<= {self.limit:g} ms"
+
+
+def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each figure of issue 16's goals, with the goal and whether it is met."""
+    p, s = r["pipelined"], r["sync"]
+    rows = [("pipelined TCov=100 vs Adam", p["tcov100"]["ratio"], "x", 1.02),
+            ("pipelined TCov=10 vs Adam", p["tcov10"]["ratio"], "x", 1.05),
+            ("pipelined TCov=1 vs Adam", p["tcov1"]["ratio"], "x", None),
+            ("sync normal step vs Adam", s["normal_vs_adam_ratio"]["median"], "x", 1.03)]
+    if wl.capture_goal == "ms":
+        rows.append(("sync capture step above normal", s["capture_above_normal_ms"]["median"], "ms", 1.0))
+    else:
+        rows.append(("sync capture step vs normal", s["capture_vs_normal_ratio"]["median"], "x", 1.05))
+    rows += [("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
+             ("optimizer step vs Adam (eager)", r["optimizer_step"]["vs_adam_ratio"]["median"], "x", 0.6),
+             ("optimizer state vs Adam", r["state"]["vs_adam_ratio"], "x", None)]
+    out = []
+    for figure, value, unit, limit in rows:
+        met = None if limit is None or not math.isfinite(value) else value <= limit
+        out.append(asdict(Goal(figure, value, unit, limit, met)))
+    return out
+
+
+def goals_table(matrix: dict[str, dict[str, Any]]) -> str:
+    """The short table printed last: every workload's figures beside their goals."""
+    lines = [["workload", "figure", "value", "goal", ""]]
+    for name, r in matrix.items():
+        for g in r["goals"]:
+            goal = Goal(**g)
+            verdict = "" if goal.met is None else ("met" if goal.met else "NOT MET")
+            lines.append([name, goal.figure, goal.text, goal.goal_text, verdict])
+    widths = [max(len(row[i]) for row in lines) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+                     for row in lines)
+
+
+def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
+    """Milliseconds and megabytes behind the ratios: median [p10, p90]."""
+    def ms(sp: dict[str, float]) -> str:
+        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+
+    lines = []
+    for name, r in matrix.items():
+        p, s, o, m = r["pipelined"], r["sync"], r["optimizer_step"], r["memory"]
+        lines.append(f"{name}: {r['description']} ({r['optimizer']} [{r['backend']}] vs {r['baseline']})")
+        lines.append(f"  pipelined ms/step: Adam {ms(p['adam_ms'])}; " +
+                     "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
+        lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}")
+        lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
+        lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
+                     f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "
+                     f"AdaFisher {r['state']['adafisher_bytes']['total'] / 2**20:.1f}")
+        for w in r["warnings"]:
+            lines.append(f"  warning: {w}")
+    return "\n".join(lines)
+
+
+def run_matrix(names: list[str], all_workloads: dict[str, Workload], device: torch.device, cfg: MatrixConfig,
+               ) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in names:
+        print(f"== matrix: {all_workloads[name].description} on {device}", flush=True)
+        out[name] = measure(all_workloads[name], device, cfg)
+    return out
