@@ -64,3 +64,31 @@ def test_unknown_commit_and_no_block_are_refused(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps({"results": []}))
     with pytest.raises(readme.ProvenanceError, match="no 'provenance' block"):
         readme.load_measured(tmp_path / "b.json")
+
+
+def _bench_file(tmp_path, matrix):
+    data = json.loads((readme.DEFAULT_BENCH).read_text())
+    if matrix is None:
+        data.pop("matrix", None)
+    else:
+        data["matrix"] = matrix
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_workload_matrix_is_rendered_with_its_verdicts(tmp_path):
+    goals = [{"figure": "pipelined TCov=100 vs Adam", "value": 1.5, "unit": "x", "limit": 1.02, "met": False},
+             {"figure": "sync capture step above normal", "value": 0.25, "unit": "ms", "limit": 1.0, "met": True},
+             {"figure": "optimizer state vs Adam", "value": 0.5, "unit": "x", "limit": None, "met": None}]
+    matrix = {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
+              "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert "| toy | pipelined TCov=100 vs Adam | 1.500x | <= 1.02x | **no** |" in text
+    assert "| toy | sync capture step above normal | +0.25 ms | <= 1 ms | yes |" in text
+    assert "| toy | optimizer state vs Adam | 0.500x | - | - |" in text
+    assert "blocks of 10 (4 per variant" in text and "in 7 rotated rounds" in text
+
+
+def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
+    assert readme.matrix_section(_bench_file(tmp_path, None)) is None
