@@ -13,24 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class CausalBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
-        super().__init__()
-        if dim % heads:
-            raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, mlp_ratio * dim), nn.Linear(mlp_ratio * dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(B, T, D))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+from .transformer import Block
 
 
 class GPT(nn.Module):
@@ -41,7 +24,7 @@ class GPT(nn.Module):
         self.max_len = max_len
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
-        self.blocks = nn.Sequential(*[CausalBlock(dim, heads) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[Block(dim, heads, causal=True, gelu="tanh") for _ in range(depth)])
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 

@@ -13,9 +13,15 @@ from torch import Tensor, nn
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4):
+    """A pre-norm transformer block: attention through ``scaled_dot_product_attention`` (causal
+    for a decoder), then a GELU MLP (``gelu="tanh"``: GPT-2's approximation); every
+    projection is an ``nn.Linear``, so AdaFisher preconditions all of them."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4, *, causal: bool = False, gelu: str = "none"):
         super().__init__()
-        self.heads = heads
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+        self.heads, self.causal, self.gelu = heads, causal, gelu
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -24,9 +30,9 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(att.transpose(1, 2).reshape(B, T, D))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate=self.gelu))
 
 
 class TransformerClassifier(nn.Module):
