@@ -94,14 +94,19 @@ def test_cpu_only_torch_is_named(monkeypatch):
     assert not ok and "CPU-only" in why
 
 
-def test_missing_cuda_home_is_named(monkeypatch):
-    _no_real_build(monkeypatch)
+def _no_system_toolkit(monkeypatch) -> None:
+    """A CUDA 13 torch on a machine with no system toolkit anywhere the loader looks."""
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+
+
+def test_missing_cuda_home_is_named(monkeypatch):
+    _no_real_build(monkeypatch)
+    _no_system_toolkit(monkeypatch)
     monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])  # nor NVIDIA's toolkit wheels
     info = kernels.extension_info()
     assert not info.loaded
@@ -352,12 +357,7 @@ def _fake_wheel_tree(base: Path, release: str = "13.0", cccl: bool = True) -> Pa
 
 @pytest.fixture
 def no_system_toolkit(monkeypatch):
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
-    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+    _no_system_toolkit(monkeypatch)
     monkeypatch.setattr(loader, "_ninja_available", lambda: True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])
