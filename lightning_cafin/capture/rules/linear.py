@@ -14,6 +14,16 @@ from torch import Tensor, nn
 from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
 
 
+def _last_dim_squares(t: Tensor) -> tuple[Tensor, float]:
+    """Sums of squares over every dim but the last, and how many rows they summed (the
+    capture kernel where it takes ``t``, else torch ops)."""
+    sums = channel_sums(t, -1, True)
+    if sums is not None:
+        return sums, float(t.numel() // max(t.shape[-1], 1))
+    t = t.reshape(-1, t.shape[-1])
+    return sum_of_squares(t, 0), float(t.shape[0])
+
+
 class LinearRule(LayerRule):
     """``nn.Linear`` and its subclasses; ``transposed=True`` for a weight stored ``in x out``
     (``transformers.pytorch_utils.Conv1D``, GPT-2's projections)."""
@@ -39,18 +49,10 @@ class LinearRule(LayerRule):
         return out
 
     def input_partial(self, module, x):
-        h = channel_sums(x, -1, True)
-        if h is not None:
-            return h, float(x.numel() // max(x.shape[-1], 1))
-        x = x.reshape(-1, x.shape[-1])
-        return sum_of_squares(x, 0), float(x.shape[0])
+        return _last_dim_squares(x)
 
     def output_partial(self, module, s):
-        sv = channel_sums(s, -1, True)
-        if sv is not None:
-            return sv, float(s.numel() // max(s.shape[-1], 1))
-        s = s.reshape(-1, s.shape[-1])
-        return sum_of_squares(s, 0), float(s.shape[0])
+        return _last_dim_squares(s)
 
     def finalize(self, module, h, hn, s, sn):
         H = h / hn
