@@ -32,19 +32,26 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel pip-installed into a folder of its own (a non-editable install, no checkout beside it)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
 def test_wheel_holds_every_source_the_loader_compiles(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = {f"lightning_cafin/csrc/{f}" for f in loader.source_files() + loader.header_files()}
     assert wanted <= names, sorted(wanted - names)
 
 
-def test_installed_wheel_loader_uses_packaged_csrc(wheel, tmp_path):
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-        check=True,
-        capture_output=True,
-    )
+def test_installed_wheel_loader_uses_packaged_csrc(installed, tmp_path):
+    target = installed
     env = {**os.environ, "PYTHONPATH": str(target)}
     found = subprocess.run(
         [sys.executable, "-c", "from lightning_cafin.kernels import loader; print(loader._CSRC_DIR)"],
@@ -57,14 +64,9 @@ def test_installed_wheel_loader_uses_packaged_csrc(wheel, tmp_path):
     assert Path(found) == target / "lightning_cafin" / "csrc"
 
 
-def test_installed_copy_and_checkout_never_share_a_cache_folder(wheel, tmp_path):
+def test_installed_copy_and_checkout_never_share_a_cache_folder(installed, tmp_path):
     """The cache key holds the install location: a pip-installed copy cannot evict the checkout's build."""
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-        check=True,
-        capture_output=True,
-    )
+    target = installed
     code = ("from lightning_cafin.kernels import loader; print(loader._build_dir({'nvcc_version': '13.0', "
             "'arch_list': '9.0', 'cuda_home': '/usr/local/cuda', 'host_compiler': 'c++'}))")
     folders = []
