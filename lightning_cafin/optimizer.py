@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from . import state_format
 from ._validation import check_hyperparameters, checked_param_group, reject_unknown_kwargs
 from .backends import BACKEND_NAMES, StepBackend, StepHyper, make_backend
 from .backends.dispatch import GroupPlan, StepDispatcher
@@ -29,7 +30,7 @@ from .backends.foreach import ForeachBackend
 from .backends.state import ensure_state
 from .binding import LayerBinding, LayerFactors, offered_model, register_model_provider, warn_if_nothing_bound
 from .capture import streams as capture_streams
-from .capture.distributed import all_reduce_pending
+from .capture.distributed import StatisticsReduction
 from .capture.factors import update_factors
 from .capture.layers import check_layers
 from .capture_options import CaptureOptions
@@ -40,8 +41,6 @@ from .schedule import CaptureSchedule
 
 log = logging.getLogger("lightning_cafin")
 
-_STATE_KEY = "cafin"
-_STATE_FORMAT = 1
 _KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay", "backend", "capture", "capture_stream", "layers"]
 
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
@@ -85,6 +84,8 @@ class _AdaFisherBase(Readout, Optimizer):
             self.capture_options = CaptureOptions()
         #: process group whose ranks' statistics are summed on capture steps (None: the default group)
         self.statistics_group: Any = None
+        #: the capture step's one all-reduce of every layer's statistics (``last``: what it sent)
+        self.statistics_reduction = StatisticsReduction()
 
     def __setstate__(self, state: dict) -> None:
         # torch calls this from load_state_dict (keep our parts) and on unpickling (only torch's fields exist)
@@ -167,13 +168,17 @@ class _AdaFisherBase(Readout, Optimizer):
         with self._observers.around_capture(self):
             self.capture_options.apply()
             capture_streams.join()  # the statistics were computed beside the backward pass
-            all_reduce_pending(captures, self.statistics_group)
+            self.statistics_reduction.all_reduce(captures, self.statistics_group)
+            fired = any(cap.pending.calls for cap in captures)
             report = update_factors(captures, self.defaults["gamma"], scale)
             capture_streams.release()
         self.binding.version += 1
         by_name = self.binding.captures
         trainable = [n for n in report.not_fired if any(p.requires_grad for p in by_name[n].module.parameters(recurse=False))]
-        functional = [n for n in trainable if by_name[n].S is None
+        # Gradients without a hook call mean the weights are used functionally, but only when
+        # some hook fired: a step with no forward at all (torch.distributed.checkpoint's
+        # state initialisation steps on zero gradients) says nothing about any layer.
+        functional = [n for n in trainable if fired and by_name[n].S is None
                       and any(p.grad is not None for p in by_name[n].module.parameters(recurse=False))]
         if functional:  # gradients but no hook call: the owner uses the weights functionally
             self.binding.unbind_unseen(functional)
@@ -181,6 +186,8 @@ class _AdaFisherBase(Readout, Optimizer):
             self._summary = self.summary()
             self._health.params_f_one = sum(1 for p in self._all_params() if not self.binding.preconditioned(p))
             log.info(self._summary)
+        if not fired:  # no forward reached any layer (a state-initialising step): nothing to report
+            trainable = []
         self._health.record_capture(report, trainable, {n: by_name[n].S is not None for n in trainable})
 
     def _plan(self, index: int, group: dict) -> GroupPlan:
@@ -281,19 +288,17 @@ class _AdaFisherBase(Readout, Optimizer):
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus the factors (keyed by module name) and the schedule."""
+        """torch's optimizer state plus the schedule and the factors (keyed by module name), in
+        the first param group, where ``torch.distributed.checkpoint`` keeps them (``state_format.py``)."""
         schedule = self.schedule.state_dict()  # waits for the skip flags: the saved count is exact
-        sd = super().state_dict()
-        sd[_STATE_KEY] = {"format": _STATE_FORMAT, **schedule, "factors": self.binding.state_dict()}
-        return sd
+        return state_format.with_record(super().state_dict(), schedule, self.binding.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's state and the factors; the caller's dict is left untouched."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(_STATE_KEY, None)
-        super().load_state_dict(copy.deepcopy(state_dict))
+        torch_part, record = state_format.split_record(state_dict)
+        super().load_state_dict(copy.deepcopy(torch_part))
         self._dispatch.invalidate()
-        if extra is None:
+        if record is None:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: the state dict holds no AdaFisher factors (saved by "
                 "another optimizer or another version?); momentum and step counts are loaded and the factors "
@@ -302,10 +307,8 @@ class _AdaFisherBase(Readout, Optimizer):
             )
             self.schedule.force_next()
             return
-        if extra.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unknown AdaFisher state format {extra.get('format')!r} (expected {_STATE_FORMAT})")
-        self.schedule.load_state_dict(extra)
-        self.binding.load_state_dict(extra["factors"])
+        self.schedule.load_state_dict(record)
+        self.binding.load_state_dict(state_format.factors_of(record))
 
 
 class AdaFisher(_AdaFisherBase):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import Tensor
 
 from .backends import FactorView
+from .backends.sharding import local
 from .binding import LayerFactors
 from .health import summary_text
 
@@ -56,8 +57,9 @@ class Readout:
         return self.binding.version
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held: ``momentum`` (exp_avg), ``factors``, ``cached_fisher`` (foreach's F), ``total``."""
-        momentum = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in self.state.values() if "exp_avg" in s)
+        """Bytes held by this process: ``momentum`` (exp_avg; a sharded parameter's local shard),
+        ``factors`` (every layer's, on every rank), ``cached_fisher`` (foreach's F), ``total``."""
+        momentum = sum(local(s["exp_avg"]).numel() * s["exp_avg"].element_size() for s in self.state.values() if "exp_avg" in s)
         usage = {"momentum": momentum, "factors": self.binding.factor_bytes(), "cached_fisher": self._dispatch.cached_bytes()}
         return {**usage, "total": sum(usage.values())}
 

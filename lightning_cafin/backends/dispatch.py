@@ -6,6 +6,10 @@ device and dtype once, creates their state through the optimizer, and keeps the 
 with what each backend derived from its batch (``StepBackend.prepare``), until the
 parameters with gradients, the factors, the state or the backend change.  Per step only
 the gradient lists are rebuilt.  This is the one plan cache of the step path.
+
+A sharded parameter (an FSDP2 ``DTensor``) is planned as its local shard: its state's
+local tensor, its gradient's local tensor each step, and the rows of its factor view
+that the shard holds (``sharding.py``), so every backend steps it unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .base import FactorView, StepBackend, StepBatch, StepHyper
+from .sharding import local, local_view
 
 StateFor = Callable[[Tensor, StepBackend], tuple[Tensor, Tensor]]
 ViewFor = Callable[[Tensor], Optional[FactorView]]
@@ -34,11 +39,15 @@ class Fallback:
 
 @dataclass
 class PlannedBatch:
-    """Tensors of one param group stepped by one backend, on one device, in one dtype."""
+    """Tensors of one param group stepped by one backend, on one device, in one dtype.
+
+    ``params`` are the tensors stepped (a sharded parameter's local shard); ``owners`` the
+    optimizer's parameters, whose gradients the step reads."""
 
     backend: StepBackend
     device: torch.device
     dtype: torch.dtype
+    owners: list[Tensor] = field(default_factory=list)
     params: list[Tensor] = field(default_factory=list)
     exp_avgs: list[Tensor] = field(default_factory=list)
     steps: list[Tensor] = field(default_factory=list)
@@ -47,8 +56,8 @@ class PlannedBatch:
 
     def batch(self, factors_version: int) -> StepBatch:
         """The batch with this step's gradients."""
-        grads = [p.grad for p in self.params]  # every planned parameter has one (the plan's key says so)
-        return StepBatch(self.params, grads, self.exp_avgs, self.steps, self.views, factors_version)  # type: ignore[arg-type]
+        grads = [local(p.grad) for p in self.owners]  # type: ignore[arg-type]  # the plan's key says each has one
+        return StepBatch(self.params, grads, self.exp_avgs, self.steps, self.views, factors_version)
 
 
 @dataclass
@@ -112,9 +121,10 @@ class StepDispatcher:
         self._epoch += 1
         self._plans = {}
 
-    def route(self, p: Tensor) -> tuple[StepBackend, Optional[str]]:
-        """The backend that steps ``p``, and why it is not the chosen one (None when it is)."""
-        why = self.backend.unsupported_reason(p, p.grad)
+    def route(self, p: Tensor, grad: Optional[Tensor] = None) -> tuple[StepBackend, Optional[str]]:
+        """The backend that steps ``p`` (with ``grad``: ``p.grad`` when not given), and why
+        it is not the chosen one (None when it is)."""
+        why = self.backend.unsupported_reason(p, p.grad if grad is None else grad)
         return (self.backend, None) if why is None else (self.fallback, why)
 
     def plan(self, group_id: int, params: list[Tensor], factors_version: int, state_for: StateFor,
@@ -135,18 +145,21 @@ class StepDispatcher:
         for p in params:
             if p.grad is None:
                 continue
-            backend, why = self.route(p)
+            mine = local(p)
+            backend, why = self.route(mine, local(p.grad))
             if why is not None:
                 fallbacks.append(Fallback(p, why))
             exp_avg, step = state_for(p, backend)
-            bkey = (id(backend), p.device, p.dtype)
+            view = local_view(p, view_for(p))
+            bkey = (id(backend), mine.device, mine.dtype)
             batch = batches.get(bkey)
             if batch is None:
-                batch = batches[bkey] = PlannedBatch(backend, p.device, p.dtype)
-            batch.params.append(p)
-            batch.exp_avgs.append(exp_avg)
+                batch = batches[bkey] = PlannedBatch(backend, mine.device, mine.dtype)
+            batch.owners.append(p)
+            batch.params.append(mine)
+            batch.exp_avgs.append(local(exp_avg))
             batch.steps.append(step)
-            batch.views.append(view_for(p))
+            batch.views.append(view)
         before = {} if previous is None else {(id(b.backend), b.device, b.dtype): b.prepared for b in previous.batches}
         for bkey, batch in batches.items():
             if takes_prepared(type(batch.backend)):

@@ -21,9 +21,13 @@ class FisherCache:
     """Each factored parameter's materialised ``F``, rebuilt in place when the factors or
     ``Lambda`` change (kept by the dispatcher with the batch, see ``prepare``)."""
 
-    def __init__(self, previous: Optional["FisherCache"] = None) -> None:
-        # id(param) -> (factors_version, Lambda, F); the parameter is kept so its id stays its own
-        self._entries: dict[int, tuple[int, float, Tensor, Tensor]] = dict(previous._entries) if previous else {}
+    def __init__(self, previous: Optional["FisherCache"] = None, params: Optional[list[Tensor]] = None) -> None:
+        # id(param) -> (factors_version, Lambda, F); the parameter is kept so its id stays its own.
+        # Only the entries of ``params`` (the batch now) carry over: a sharded parameter's local
+        # tensor is a new object at each plan, and an entry per object would pile up.
+        keep = None if params is None else {id(p) for p in params}
+        self._entries: dict[int, tuple[int, float, Tensor, Tensor]] = {} if previous is None else {
+            k: e for k, e in previous._entries.items() if keep is None or k in keep}
 
     def fisher(self, p: Tensor, view: FactorView, Lambda: float, version: int) -> Tensor:
         entry = self._entries.get(id(p))
@@ -46,7 +50,7 @@ class ForeachBackend(StepBackend):
     name = "foreach"
 
     def prepare(self, batch: StepBatch, previous: Any = None) -> FisherCache:
-        return FisherCache(previous if isinstance(previous, FisherCache) else None)
+        return FisherCache(previous if isinstance(previous, FisherCache) else None, batch.params)
 
     @torch.no_grad()
     def step(

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..backends import StepBackend, StepBatch
+from ..backends.sharding import local, local_view
 
 
 @dataclass
@@ -40,16 +41,17 @@ class Divergence:
 
 
 def take_snapshot(opt) -> Snapshot:
-    """Copies of everything the coming update reads and writes."""
+    """Copies of everything the coming update reads and writes (a sharded parameter's local shard)."""
     snap = Snapshot(grad_scale=None if getattr(opt, "grad_scale", None) is None else opt.grad_scale.clone())
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = opt.state.get(p, {})
-            m = state["exp_avg"].clone() if "exp_avg" in state else torch.zeros_like(p)
+            mine = local(p).detach()
+            m = local(state["exp_avg"]).clone() if "exp_avg" in state else torch.zeros_like(mine)
             k = state["step"].detach().cpu().clone() if "step" in state else torch.zeros((), dtype=torch.float32)
-            snap.entries.append(_Entry(gi, p, p.detach().clone(), p.grad.detach().clone(), m, k))
+            snap.entries.append(_Entry(gi, p, mine.clone(), local(p.grad).detach().clone(), m, k))
     return snap
 
 
@@ -64,7 +66,7 @@ def replay(opt, snap: Snapshot, backend: StepBackend, found_inf: Optional[Tensor
             continue
         batch = StepBatch(
             [e.param for e in mine], [e.grad for e in mine], [e.exp_avg for e in mine], [e.step for e in mine],
-            [opt.fisher_view(e.live) for e in mine], opt.factors_version,
+            [local_view(e.live, opt.fisher_view(e.live)) for e in mine], opt.factors_version,
         )
         backend.step(batch, opt.hyper(group), snap.grad_scale, found_inf)
 
@@ -74,7 +76,7 @@ def divergence(snap: Snapshot) -> Divergence:
     max_abs, scale = 0.0, 0.0
     with torch.no_grad():
         for e in snap.entries:
-            diff = (e.live.detach().float() - e.param.float()).abs().max()
+            diff = (local(e.live).detach().float() - e.param.float()).abs().max()
             max_abs = max(max_abs, float(diff))
             scale = max(scale, float(e.param.float().abs().max()))
     return Divergence(max_abs, max_abs / scale if scale > 0 else 0.0)
