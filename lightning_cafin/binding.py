@@ -59,6 +59,25 @@ def offered_model(optimizer: Any) -> Optional[nn.Module]:
     return None
 
 
+FSDP1_REFUSED = (
+    "AdaFisher does not support FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, Lightning's "
+    "FSDPStrategy): it flattens a wrapped module's parameters into one buffer and shards that, so a "
+    "parameter's shard can start and end inside a row, which its factors cannot follow. Use FSDP2 "
+    "(torch.distributed.fsdp.fully_shard; in Lightning, ModelParallelStrategy with fully_shard applied "
+    "in configure_model) or DDP"
+)
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Raise ``TypeError`` (:data:`FSDP1_REFUSED`) when ``model`` holds FSDP1-wrapped modules."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed support
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(FSDP1_REFUSED)
+
+
 def _kept(S: Tensor, H: Tensor, layer_type: str) -> dict[str, Any]:
     return {"S": S, "H": H, "layer_type": layer_type}
 
@@ -145,6 +164,7 @@ class LayerBinding:
 
     # ---------------------------------------------------------------- binding
     def bind(self, model: nn.Module, params: Iterable[Tensor], warn_on_takeover: bool = True) -> None:
+        refuse_fsdp1(model)
         if self._model is not None and self._model is not model:
             self.unbind()
         self._model = model
@@ -264,4 +284,4 @@ def warn_if_nothing_bound(binding: LayerBinding, model: nn.Module) -> None:
         )
 
 
-__all__ = ["LayerBinding", "LayerFactors", "offered_model", "register_model_provider", "warn_if_nothing_bound"]
+__all__ = ["FSDP1_REFUSED", "LayerBinding", "LayerFactors", "offered_model", "register_model_provider", "warn_if_nothing_bound"]

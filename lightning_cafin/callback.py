@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from .backends import BACKEND_NAMES
+from .binding import FSDP1_REFUSED
 from .monitor.hparams import optimizer_hparams
 from .monitor.observer import OptimizerMonitor
 from .monitor.shadow import Divergence
@@ -95,6 +96,10 @@ class CAFINCallback(Callback):
 
     # ------------------------------------------------------------- lifecycle
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise TypeError(f"CAFINCallback: {FSDP1_REFUSED}")
         # Optimizers do not exist yet (Lightning creates them after setup); offer the
         # module so that an AdaFisher built where this callback cannot see it (a
         # learning-rate search swaps the trainer's callbacks out) still binds to it.

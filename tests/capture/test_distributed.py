@@ -1,7 +1,6 @@
 """Statistics reduced across 2 gloo processes equal one process on the same global batch."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_cafin import AdaFisher
+from tests.distributed_runs import CountCollectives, free_port, init_gloo
 
 D = torch.float64
 STEPS, TCOV = 5, 2
@@ -41,25 +41,22 @@ def global_batches():
             for _ in range(STEPS)]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(rank, world, port, out, uneven):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     model = net()
     opt = AdaFisher(model, TCov=TCOV)
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     half = 8 // world
+    collectives = []
     for x, y in global_batches():
         opt.zero_grad()
         xs, ys = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
         F.mse_loss(ddp(xs, use_branch=uneven and rank == 0), ys).backward()
-        opt.step()
-    torch.save({"params": [p.detach() for p in model.parameters()],
+        due = opt.capture_due
+        with CountCollectives() as counted:
+            opt.step()
+        collectives.append((due, counted.ops))
+    torch.save({"params": [p.detach() for p in model.parameters()], "collectives": collectives,
                 "factors": {n: (c.S, c.H) for n, c in opt.binding.captures.items() if c.S is not None}},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -80,6 +77,10 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
         F.mse_loss(model(x), y).backward()
         opt.step()
     for r in ranks:
+        # inside step(): nothing on normal steps; on capture steps one all-reduce once the
+        # statistics layout is known (the first capture agrees it: two)
+        counts = [len(ops) if due else -len(ops) for due, ops in r["collectives"]]
+        assert counts == [2, 0, 1, 0, 1], r["collectives"]
         for a, b in zip(r["params"], model.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
         for name, (S, H) in r["factors"].items():
