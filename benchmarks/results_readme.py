@@ -3,7 +3,8 @@
     python benchmarks/results_readme.py            # rewrite the section between the markers
     python benchmarks/results_readme.py --check    # exit 1 if the README is not what the files say
 
-Inputs: the benchmark's JSON (``python -m lightning_cafin.bench``) and the convergence
+Inputs: the benchmark's JSON (``python -m lightning_cafin.bench``: the optimizer-step table, the
+workload matrix and the callback's cost, each rendered when present) and the convergence
 study's ``convergence.json`` (``benchmarks/convergence.py``).  A file whose ``provenance``
 block lacks any of command, commit, machine, torch or date is refused: a figure without
 its origin does not go into the README.
@@ -84,13 +85,19 @@ def bench_section(path: Path) -> str:
 def _goal_value(goal: dict) -> str:
     if goal["unit"] == "ms":
         return f"{goal['value']:+.2f} ms"
+    if goal["unit"] == "count":
+        return f"{goal['value']:g}"
     return f"{goal['value']:.3f}x"
 
 
 def _goal_limit(goal: dict) -> str:
     if goal["limit"] is None:
         return "-"
-    return f"<= {goal['limit']:g} ms" if goal["unit"] == "ms" else f"<= {goal['limit']:g}x"
+    return f"<= {goal['limit']:g}" + {"ms": " ms", "count": ""}.get(goal["unit"], "x")
+
+
+def _met(goal: dict) -> str:
+    return "-" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
 
 
 def matrix_section(path: Path) -> Optional[str]:
@@ -109,11 +116,42 @@ def matrix_section(path: Path) -> Optional[str]:
              "| workload | figure | value | goal | met |", "|---|---|---|---|---|"]
     for name, w in matrix["workloads"].items():
         for goal in w["goals"]:
-            met = "-" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
-            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {met} |")
+            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {_met(goal)} |")
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]
+    return "\n".join(lines)
+
+
+def callback_section(path: Path) -> str:
+    """The callback's cost (``python -m lightning_cafin.bench --only callback``), or a note that the file lacks it."""
+    data = load_measured(path)
+    title = "### The callback's cost: a Lightning step with `CAFINCallback` against the same step without"
+    r = data.get("callback")
+    if not r:
+        return "\n".join([title, "", f"Not measured yet: `{_rel(path)}` has no `callback` entry (run "
+                          "`python -m lightning_cafin.bench --only callback` on a GPU and merge its `callback` "
+                          "entry, or re-run the whole bench)."])
+    cfg, q, blocks = r["config"], r["quiet_ratio"], r["blocks"]
+
+    def ms(sp: Optional[dict]) -> str:
+        return "-" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+
+    lines = [title, "",
+             f"{r['description']} ({r['backend']}): two fits on the same seeded model and in-memory batch, "
+             f"TensorBoard logging every {cfg['log_every_n_steps']} steps, TCov {cfg['TCov']}, taking turns in "
+             f"blocks of {cfg['block']} steps ({cfg['blocks']} per fit after {cfg['warmup']} warm-up steps). "
+             f"The first figure is the median paired per-block ratio over the {blocks['quiet']} of {blocks['timed']} "
+             f"blocks with no logging, capture or shadow step (p10 {q['p10']:.3f}x, p90 {q['p90']:.3f}x); the "
+             "second counts every timed step; the host syncs are the dashboard's own, counted per step.", "",
+             "| figure | value | goal | met |", "|---|---|---|---|"]
+    for goal in r["goals"]:
+        lines.append(f"| {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {_met(goal)} |")
+    lines += ["", "| ms, median [p10, p90] | value |", "|---|---|",
+              f"| bare step (no logging, capture or shadow) | {ms(r['bare_ms'])} |",
+              f"| step with the callback, the same steps | {ms(r['callback_ms'])} |"]
+    lines += [f"| a {tag} step: callback above bare | {ms(sp)} |" for tag, sp in r["extra_ms"].items()]
+    lines += ["", _source(path, data["provenance"])]
     return "\n".join(lines)
 
 
@@ -150,6 +188,7 @@ def results_section(bench: Path, convergence: Path) -> str:
     matrix = matrix_section(bench)
     if matrix is not None:
         parts += [matrix, ""]
+    parts += [callback_section(bench), ""]
     if convergence.is_file():
         parts.append(convergence_section(convergence))
     else:

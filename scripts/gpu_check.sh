@@ -12,6 +12,6 @@ if [ "${FULL:-1}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m "not cuda" tests > "$OUT/cpu_tests.log" 2>&1; echo "other tests rc=$?"
   tail -4 "$OUT/cpu_tests.log"
 fi
-if [ "${BENCH:-1}" = 1 ] && [ -f lightning_cafin/bench.py ]; then
+if [ "${BENCH:-1}" = 1 ] && [ -d lightning_cafin/bench ]; then
   python3 -m lightning_cafin.bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
 fi

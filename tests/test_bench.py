@@ -67,17 +67,21 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         figures = [g["figure"] for g in wl["goals"]]
         assert len(figures) == 8 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
+    callback = record["callback"]  # the callback's cost is part of the full run
+    assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
     out = capsys.readouterr().out
-    assert "step_ms" in out and "faster than reference" in out
+    assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     last = out.strip().splitlines()
-    assert last[-33].split()[:2] == ["workload", "figure"]  # the goals table prints last: 4 workloads x 8 figures
-    assert all(line.split()[0] in MATRIX for line in last[-32:])
+    # the goals table prints last: 4 workloads x 8 figures, then the callback's 3
+    assert last[-36].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-35:-3])
+    assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
 def test_matrix_only_and_only_select_workloads(tmp_path, capsys):
     assert bench.main(["--quick", "--matrix-only", "--only", "gpt", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "bench.json").read_text())
-    assert record["results"] == [] and list(record["matrix"]["workloads"]) == ["gpt"]
+    assert record["results"] == [] and list(record["matrix"]["workloads"]) == ["gpt"] and "callback" not in record
     assert "step_ms" not in capsys.readouterr().out  # no optimizer-step table
     with pytest.raises(SystemExit, match="--only: unknown workload"):
         bench.main(["--quick", "--only", "resnet99", "--out", str(tmp_path)])

@@ -13,7 +13,7 @@ from lightning_cafin import CAFINCallback
 from lightning_cafin.monitor.tags import ALL_LAYERS
 
 from .monitor.offline import offline_stats
-from .sync_counting import counting_syncs
+from lightning_cafin.bench.syncs import counting_syncs
 from .test_callback import Module, loader, read_runs, trainer
 
 

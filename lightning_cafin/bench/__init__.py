@@ -1,6 +1,6 @@
 """``python -m lightning_cafin.bench``: AdaFisher beside torch's optimizers, measured in one run.
 
-Two parts, both written to ``bench.json`` (with the run's provenance) in ``--out``:
+Three parts, all written to ``bench.json`` (with the run's provenance) in ``--out``:
 
 * the optimizer-step table (``optimizer_step.py``): AdaFisher's backends beside Adam and
   SGD on the paper's ResNet-18, a small transformer and a flat set of weights sized to the
@@ -10,10 +10,14 @@ Two parts, both written to ``bench.json`` (with the run's provenance) in ``--out
   GPT-2-small-shaped LM (bf16, AdaFisherW), each against Adam(W)(fused=True) on the same
   model: pipelined train steps at TCov 100 / 10 / 1, step-synchronous normal and capture
   steps, peak memory per step type, the optimizer step alone, optimizer-state bytes
-  (``matrix``).  Its table of figures beside their goals prints last.
+  (``matrix``).  Its table of figures beside their goals prints last;
+* the callback's cost (``callback_overhead.py``, ``--only callback``): a Lightning training
+  step of the CIFAR ResNet-18 with ``CAFINCallback()`` and its TensorBoard dashboard
+  against the same step with AdaFisher bound to the model directly, interleaved fits, and
+  the dashboard's host syncs on steps that do not log (``callback``).
 
 ``--quick`` shrinks everything so that CI runs it on a CPU; ``--matrix-only`` skips the
-optimizer-step table; ``--only`` picks workloads by name.
+optimizer-step table and the callback; ``--only`` picks workloads by name.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import nn
 from .. import AdaFisher, AdaFisherW
 from ..models import ResNet18, TransformerClassifier
 from ..provenance import provenance
+from .callback_overhead import CallbackConfig, callback_table, measure_callback
 from .matrix import MatrixConfig, detail_table, goals_table, run_matrix
 from .optimizer_step import Result, bench_flat, bench_model, plot, ratios, state_bytes, table, variants
 from .timing import extra_ms, median_ms
@@ -40,14 +45,16 @@ from .workloads import workloads
 
 #: The optimizer-step table's workloads.
 TABLE_WORKLOADS = ("resnet18", "transformer", "flat")
+#: The callback's cost (on the matrix's resnet18 workload).
+CALLBACK = "callback"
 
-__all__ = ["MATRIX_WORKLOADS", "TABLE_WORKLOADS", "Result", "bench_flat", "bench_model", "extra_ms", "main",
+__all__ = ["CALLBACK", "MATRIX_WORKLOADS", "TABLE_WORKLOADS", "Result", "bench_flat", "bench_model", "extra_ms", "main",
            "median_ms", "ratios", "state_bytes", "table", "variants"]
 
 
 def parse_only(text: Optional[str]) -> set[str]:
     """``--only``'s comma list, checked against the workloads both parts know."""
-    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS)
+    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS) | {CALLBACK}
     if not text:
         return known
     names = {n.strip() for n in text.split(",") if n.strip()}
@@ -100,8 +107,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--flat", type=float, default=None, help="flat parameter count (default: sized to the device)")
     ap.add_argument("--only", default=None,
                     help=f"comma list of workloads: table {','.join(TABLE_WORKLOADS)}; matrix {','.join(MATRIX_WORKLOADS)} "
-                         "(resnet18 is in both)")
-    ap.add_argument("--matrix-only", action="store_true", help="skip the optimizer-step table; run only the matrix")
+                         f"(resnet18 is in both); {CALLBACK} (the callback's cost)")
+    ap.add_argument("--matrix-only", action="store_true",
+                    help="skip the optimizer-step table and the callback; run only the matrix")
     args = ap.parse_args(argv)
     raw_argv = argv if argv is not None else sys.argv[1:]
     device = torch.device(args.device)
@@ -121,6 +129,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         results = [] if args.matrix_only else run_table(only, device, quick, args.reps or (3 if quick else 30), args.flat)
         matrix = run_matrix([n for n in MATRIX_WORKLOADS if n in only], workloads(device, quick), device, cfg)
+        callback = None
+        if CALLBACK in only and not args.matrix_only:
+            wl = workloads(device, quick)["resnet18"]
+            print(f"== callback: {wl.description} in a Lightning Trainer on {device}", flush=True)
+            callback = measure_callback(wl, device, CallbackConfig.quick() if quick else CallbackConfig())
     finally:
         torch.set_num_threads(threads)
 
@@ -130,6 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)),
               "results": [asdict(r) for r in results], "ratios": summary,
               "matrix": {"config": asdict(cfg), "workloads": matrix}}
+    if callback is not None:
+        record["callback"] = callback
     (out / "bench.json").write_text(json.dumps(record, indent=2))
     chart_note = plot(results, out / "bench.png") if results else "no optimizer-step table: no chart"
     if results:
@@ -141,5 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {out / 'bench.json'}" + (f"; {chart_note}" if chart_note else f" and {out / 'bench.png'}"))
     if matrix:
         print(detail_table(matrix))
-        print(goals_table(matrix))
+    if callback is not None:
+        print(callback_table(callback))
+    judged = {**matrix, **({CALLBACK: callback} if callback is not None else {})}
+    if judged:
+        print(goals_table(judged))
     return 0

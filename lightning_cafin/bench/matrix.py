@@ -232,19 +232,19 @@ def measure(wl: Workload, device: torch.device, cfg: MatrixConfig) -> dict[str, 
 class Goal:
     figure: str
     value: float
-    unit: str  # "x" (a ratio) or "ms"
+    unit: str  # "x" (a ratio), "ms" or "count"
     limit: Optional[float]  # None: reported, no goal
     met: Optional[bool]
 
     @property
     def text(self) -> str:
-        return f"{self.value:.3f}x" if self.unit == "x" else f"{self.value:+.2f} ms"
+        return {"x": f"{self.value:.3f}x", "count": f"{self.value:g}"}.get(self.unit, f"{self.value:+.2f} ms")
 
     @property
     def goal_text(self) -> str:
         if self.limit is None:
             return "-"
-        return f"<= {self.limit:g}x" if self.unit == "x" else f"<= {self.limit:g} ms"
+        return f"<= {self.limit:g}" + {"x": "x", "count": ""}.get(self.unit, " ms")
 
 
 def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:

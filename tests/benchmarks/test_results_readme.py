@@ -92,3 +92,46 @@ def test_the_workload_matrix_is_rendered_with_its_verdicts(tmp_path):
 
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
+
+
+def _with_callback(tmp_path, callback):
+    data = json.loads(readme.DEFAULT_BENCH.read_text())
+    data.pop("callback", None)
+    if callback is not None:
+        data["callback"] = callback
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
+    sp = lambda m: {"median": m, "p10": m - 0.1, "p90": m + 0.1, "n": 40}
+    callback = {
+        "description": "a toy in a Lightning Trainer", "backend": "fused",
+        "config": {"warmup": 100, "block": 10, "blocks": 60, "count_steps": 100, "log_every_n_steps": 50, "TCov": 100},
+        "blocks": {"timed": 60, "quiet": 41}, "quiet_ratio": sp(1.004), "overall_ratio": 1.03,
+        "bare_ms": sp(20.0), "callback_ms": sp(20.08), "extra_ms": {"logging": sp(12.5), "capture": sp(0.4), "shadow": None},
+        "goals": [{"figure": "Lightning step with CAFINCallback vs without", "value": 1.004, "unit": "x", "limit": 1.01,
+                   "met": True},
+                  {"figure": "same, all steps (logging, captures)", "value": 1.03, "unit": "x", "limit": None, "met": None},
+                  {"figure": "dashboard host syncs per non-logging step", "value": 1.0, "unit": "count", "limit": 0.0,
+                   "met": False}],
+    }
+    path = _with_callback(tmp_path, callback)
+    text = readme.callback_section(path)
+    assert "| Lightning step with CAFINCallback vs without | 1.004x | <= 1.01x | yes |" in text
+    assert "| same, all steps (logging, captures) | 1.030x | - | - |" in text
+    assert "| dashboard host syncs per non-logging step | 1 | <= 0 | **no** |" in text
+    assert "| a logging step: callback above bare | 12.50 [12.40, 12.60] |" in text
+    assert "| a shadow step: callback above bare | - |" in text
+    assert "the 41 of 60 blocks" in text and "blocks of 10 steps (60 per fit after 100 warm-up steps)" in text
+    assert "Source: " in text
+    target = tmp_path / "README.md"
+    target.write_text("# x\n")
+    assert readme.main(["--bench", str(path), "--readme", str(target)]) == 0
+    assert "1.004x" in target.read_text() and "Not measured yet" not in target.read_text()
+
+
+def test_a_bench_file_without_the_callback_says_not_measured_yet(tmp_path):
+    text = readme.callback_section(_with_callback(tmp_path, None))
+    assert "Not measured yet" in text and "--only callback" in text

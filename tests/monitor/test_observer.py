@@ -8,7 +8,7 @@ from lightning_cafin import AdaFisher
 from lightning_cafin.backends import ForeachBackend
 from lightning_cafin.monitor.observer import OptimizerMonitor
 
-from ..sync_counting import counting_syncs
+from lightning_cafin.bench.syncs import counting_syncs
 
 
 def model_and_opt(TCov=3):

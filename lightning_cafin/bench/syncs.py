@@ -1,4 +1,4 @@
-"""A counting stand-in for host synchronisation, usable on the CPU.
+"""A counting stand-in for host synchronisation, usable on the CPU (the callback's bench and its tests).
 
 Every call that would make the host wait for a device value (``Tensor.item``, ``bool``,
 ``float``, ``int``, ``tolist``, ``numpy``, ``cpu``, ``torch.cuda.synchronize``, CUDA event
@@ -12,20 +12,19 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from types import FrameType
+from typing import Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-import lightning_cafin
-
-_PKG = os.path.dirname(lightning_cafin.__file__)
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WATCHED = (os.path.join(_PKG, "callback.py"), os.path.join(_PKG, "monitor") + os.sep)
 _READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu"}
 
 
 def from_monitoring() -> bool:
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(WATCHED[1]) or name == WATCHED[0]:
@@ -35,6 +34,9 @@ def from_monitoring() -> bool:
 
 
 class SyncCounter(TorchFunctionMode):
+    """The host reads and device waits seen inside a :func:`counting_syncs` block, on this
+    thread (a torch function mode is per thread), and where each came from."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
