@@ -198,12 +198,13 @@ def results_section(bench: Path, convergence: Path) -> str:
     return "\n".join(parts)
 
 
-def splice(readme: str, section: str) -> str:
-    if BEGIN in readme and END in readme:
-        head, rest = readme.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+def splice(readme: str, section: str, begin: str = BEGIN, end: str = END, anchor: str = "\n## Layout") -> str:
+    """``readme`` with the text between ``begin`` and ``end`` replaced by ``section`` (which
+    carries both markers), or ``section`` inserted before ``anchor`` the first time."""
+    if begin in readme and end in readme:
+        head, rest = readme.split(begin, 1)
+        _, tail = rest.split(end, 1)
         return head + section + tail
-    anchor = "\n## Layout"
     if anchor in readme:
         head, tail = readme.split(anchor, 1)
         return head.rstrip("\n") + "\n\n" + section + "\n" + anchor + tail

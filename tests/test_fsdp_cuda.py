@@ -32,6 +32,8 @@ def train(model: AllLayers, sharded: bool, mixed: bool) -> dict:
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
         kw = {} if policy is None else {"mp_policy": policy}
+        if mixed:
+            fully_shard(model.bn)  # BatchNorm stays in float32 (its running statistics are float32), as usual
         fully_shard(model.fc, **kw)
         fully_shard(model, **kw)
     opt = AdaFisher(model, lr=1e-3, TCov=TCOV, weight_decay=1e-3, backend="fused")

@@ -74,6 +74,12 @@ class StatisticsReduction:
         #: what the last capture step sent (for the README's figures and the tests)
         self.last = ReductionStats()
 
+    @staticmethod
+    def buffer_elements(captures: Sequence[LayerCapture]) -> int:
+        """Elements of the all-reduce that the pending statistics of ``captures`` make: a flag,
+        two counts per layer and the sums (fixed by the layers' shapes, whatever the batch)."""
+        return 1 + sum(2 + sum(size or (0, 0)) for size in _local_sizes(captures))
+
     def all_reduce(self, captures: Sequence[LayerCapture], group: Optional[object] = None) -> None:
         """Replace every capture's pending statistics by their sum over all ranks."""
         world = distributed_world(group)

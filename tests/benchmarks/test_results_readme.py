@@ -135,3 +135,9 @@ def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
 def test_a_bench_file_without_the_callback_says_not_measured_yet(tmp_path):
     text = readme.callback_section(_with_callback(tmp_path, None))
     assert "Not measured yet" in text and "--only callback" in text
+
+
+def test_the_readme_communication_table_is_the_committed_measurement():
+    from benchmarks import communication
+
+    assert communication.main(["--check"]) == 0, "run python benchmarks/communication.py"
