@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import sys
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import pytest
@@ -19,16 +20,15 @@ import torch
 from torch.utils import cpp_extension
 
 from lightning_cafin import kernels
-from lightning_cafin.kernels import loader
+from lightning_cafin.kernels import build_cache, loader, prebuilt_copy, sources, toolchain, wheel_toolkit
+from lightning_cafin.kernels.toolchain import Toolchain
 
 
 @pytest.fixture(autouse=True)
 def _private_cache(monkeypatch, tmp_path):
-    saved = (loader._module, loader._info)
-    loader._module, loader._info = None, None
     monkeypatch.setenv("LIGHTNING_CAFIN_BUILD_DIR", str(tmp_path / "build-cache"))
-    yield
-    loader._module, loader._info = saved
+    with loader.fresh_load_attempt():
+        yield
 
 
 def _fake_cuda_home(tmp_path: Path, release: str, headers: bool = True) -> Path:
@@ -56,7 +56,7 @@ def fake_toolchain(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     home = _fake_cuda_home(tmp_path, "13.0")
     monkeypatch.setenv("CUDA_HOME", str(home))
-    monkeypatch.setattr(loader, "_ninja_available", lambda: True)
+    monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     return home
 
@@ -77,7 +77,7 @@ def test_package_reexports_the_loader_api():
 
 def test_extension_info_is_a_frozen_dataclass():
     info = loader.ExtensionInfo(False, "why", None, None)
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError):
         info.loaded = True  # type: ignore[misc]
 
 
@@ -101,13 +101,13 @@ def _no_system_toolkit(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
-    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", None)
+    monkeypatch.setattr(toolchain, "DEFAULT_CUDA_HOME", None)
 
 
 def test_missing_cuda_home_is_named(monkeypatch):
     _no_real_build(monkeypatch)
     _no_system_toolkit(monkeypatch)
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])  # nor NVIDIA's toolkit wheels
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [])  # nor NVIDIA's toolkit wheels
     info = kernels.extension_info()
     assert not info.loaded
     assert "CUDA_HOME" in info.reason and "nvcc" in info.reason
@@ -135,12 +135,12 @@ def test_torch_guess_from_an_nvcc_wrapper_is_not_trusted(monkeypatch, tmp_path):
     wrapper_home = _fake_cuda_home(tmp_path, "13.0", headers=False)
     real = _fake_cuda_home(tmp_path, "13.0")
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(wrapper_home))
-    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", str(real))
-    assert loader._cuda_home() == (str(real), str(real))
+    monkeypatch.setattr(toolchain, "DEFAULT_CUDA_HOME", str(real))
+    assert toolchain.find_cuda_home() == (str(real), str(real))
     # And the build runs against the checked toolkit, torch's global restored after.
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setattr(loader, "_ninja_available", lambda: True)
+    monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     seen = {}
 
@@ -173,7 +173,7 @@ def test_cuda_major_mismatch_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setenv("CUDA_HOME", str(_fake_cuda_home(tmp_path, "12.4")))
-    monkeypatch.setattr(loader, "_ninja_available", lambda: True)
+    monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
     info = kernels.extension_info()
     assert not info.loaded
     assert "mismatch" in info.reason
@@ -182,7 +182,7 @@ def test_cuda_major_mismatch_is_named(monkeypatch, tmp_path):
 
 def test_missing_ninja_is_named(monkeypatch, fake_toolchain):
     _no_real_build(monkeypatch)
-    monkeypatch.setattr(loader, "_ninja_available", lambda: False)
+    monkeypatch.setattr(toolchain, "ninja_available", lambda: False)
     info = kernels.extension_info()
     assert not info.loaded
     assert "ninja" in info.reason
@@ -230,7 +230,7 @@ def test_unexpected_exception_in_checks_never_raises(monkeypatch):
     def broken():
         raise ValueError("something odd")
 
-    monkeypatch.setattr(loader, "_check_toolchain", broken)
+    monkeypatch.setattr(toolchain, "check", broken)
     info = kernels.extension_info()
     assert not info.loaded and info.reason
     assert "something odd" in info.reason
@@ -256,25 +256,35 @@ def test_successful_load_reports_loaded(monkeypatch, fake_toolchain):
 
 
 def test_build_dir_is_keyed_on_versions_and_arch(monkeypatch, fake_toolchain):
-    tool = {"nvcc_version": "13.0", "arch_list": "9.0", "cuda_home": str(fake_toolchain), "host_compiler": "c++ 12"}
-    first = loader._build_dir(tool)
+    tool = _tool(str(fake_toolchain))
+    first = build_cache.build_directory(tool)
     assert torch.__version__.split("+")[0] in first.name
     assert "cu130" in first.name
-    assert loader._build_dir({**tool, "arch_list": "8.0;9.0"}) != first
-    assert loader._build_dir({**tool, "cuda_home": "/opt/other-cuda"}) != first
-    assert loader._build_dir({**tool, "host_compiler": "c++ 13"}) != first
-    assert loader._build_dir(dict(tool)) == first
+    assert build_cache.build_directory(replace(tool, arch_list="8.0;9.0")) != first
+    assert build_cache.build_directory(replace(tool, cuda_home="/opt/other-cuda")) != first
+    assert build_cache.build_directory(replace(tool, host_compiler="c++ 13")) != first
+    assert build_cache.build_directory(replace(tool)) == first
+    # Where a piece came from names it in messages only: the same build, the same folder.
+    assert build_cache.build_directory(replace(tool, cuda_home_source="CUDA_PATH", arch_source="visible GPUs")) == first
+
+
+def test_the_checked_toolchain_is_described(monkeypatch, fake_toolchain):
+    tool = toolchain.check()
+    assert tool.cuda_home == str(fake_toolchain) and tool.cuda_home_source == "CUDA_HOME"
+    assert tool.nvcc == str(fake_toolchain / "bin" / "nvcc") and tool.nvcc_version == "13.0"
+    assert (tool.arch_list, tool.arch_source) == ("9.0", "TORCH_CUDA_ARCH_LIST")
+    assert build_cache.build_directory(tool).parent == build_cache.cache_root()
 
 
 def test_arch_list_respects_env(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    assert loader._arch_list() == ("8.0;9.0+PTX", "TORCH_CUDA_ARCH_LIST")
+    assert toolchain.arch_list() == ("8.0;9.0+PTX", "TORCH_CUDA_ARCH_LIST")
 
 
 def test_arch_list_defaults_to_hopper_without_gpu(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    arch, source = loader._arch_list()
+    arch, source = toolchain.arch_list()
     assert arch == "9.0" and "default" in source
 
 
@@ -284,7 +294,7 @@ def test_arch_list_from_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     caps = {0: (9, 0), 1: (8, 0), 2: (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
-    assert loader._arch_list() == ("8.0;9.0", "visible GPUs")
+    assert toolchain.arch_list() == ("8.0;9.0", "visible GPUs")
 
 
 def test_cli_reports_and_fails_without_toolchain(monkeypatch, capsys):
@@ -299,7 +309,8 @@ def test_sources_are_present():
     names = loader.source_files() + loader.header_files()
     assert {"bindings.cpp", "adafisher_step.cu", "adafisher_step.h", "vector_io.cuh"} <= set(names)
     for name in names:
-        assert (loader._CSRC_DIR / name).is_file(), name
+        assert (sources.sources_dir() / name).is_file(), name
+    assert sources.missing_required() == []
 
 
 # ------------------------------------------------------------------ csrc by glob, cache keys
@@ -309,27 +320,30 @@ def test_csrc_is_found_by_glob_and_every_file_keys_the_cache(monkeypatch, tmp_pa
     import shutil
 
     csrc = tmp_path / "csrc"
-    shutil.copytree(loader._CSRC_DIR, csrc)
-    monkeypatch.setattr(loader, "_CSRC_DIR", csrc)
-    before = loader.source_hash()
+    shutil.copytree(sources.sources_dir(), csrc)
+    before = sources.source_hash(csrc)
+    assert before == sources.source_hash()  # a copy hashes like the original
     (csrc / "new_kernel.cu").write_text("// a new translation unit\n")
     (csrc / "new_helpers.cuh").write_text("// a new header\n")
-    assert "new_kernel.cu" in loader.source_files()
-    assert "new_helpers.cuh" in loader.header_files() and "new_helpers.cuh" not in loader.source_files()
-    after_add = loader.source_hash()
+    assert "new_kernel.cu" in sources.source_files(csrc)
+    assert "new_helpers.cuh" in sources.header_files(csrc) and "new_helpers.cuh" not in sources.source_files(csrc)
+    after_add = sources.source_hash(csrc)
     assert after_add != before
     (csrc / "new_helpers.cuh").write_text("// edited\n")
-    assert loader.source_hash() != after_add
+    assert sources.source_hash(csrc) != after_add
+    (csrc / "bindings.cpp").unlink()
+    assert sources.missing_required(csrc) == ["bindings.cpp"]
 
 
-def _tool(home="/usr/local/cuda"):
-    return {"nvcc_version": "13.0", "arch_list": "9.0", "cuda_home": home, "host_compiler": "c++ 12"}
+def _tool(home="/usr/local/cuda") -> Toolchain:
+    return Toolchain(cuda_home=home, cuda_home_source="CUDA_HOME", nvcc=f"{home}/bin/nvcc", nvcc_version="13.0",
+                     arch_list="9.0", arch_source="TORCH_CUDA_ARCH_LIST", host_compiler="c++ 12")
 
 
 def test_two_environments_get_two_cache_folders(monkeypatch):
-    first = loader._build_dir(_tool())
+    first = build_cache.build_directory(_tool())
     monkeypatch.setattr(sys, "prefix", "/some/other/venv")
-    assert loader._build_dir(_tool()) != first
+    assert build_cache.build_directory(_tool()) != first
 
 
 def test_python_version_keys_the_cache(monkeypatch):
@@ -358,9 +372,9 @@ def _fake_wheel_tree(base: Path, release: str = "13.0", cccl: bool = True) -> Pa
 @pytest.fixture
 def no_system_toolkit(monkeypatch):
     _no_system_toolkit(monkeypatch)
-    monkeypatch.setattr(loader, "_ninja_available", lambda: True)
+    monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [])
 
 
 def test_no_toolkit_names_the_cuda_build_extra(monkeypatch, no_system_toolkit):
@@ -381,7 +395,7 @@ def test_no_toolkit_for_another_cuda_names_matching_wheels(monkeypatch, no_syste
 @pytest.mark.skipif(sys.platform.startswith("win"), reason="the fake nvcc is a POSIX shell script")
 def test_the_wheels_make_a_toolkit_when_no_nvcc_is_found(monkeypatch, tmp_path, no_system_toolkit):
     nvidia = _fake_wheel_tree(tmp_path / "site")
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [nvidia])
     seen = {}
 
     def fake_load(**kwargs):
@@ -404,7 +418,7 @@ def test_the_wheels_make_a_toolkit_when_no_nvcc_is_found(monkeypatch, tmp_path, 
 def test_wheels_without_cccl_are_named(monkeypatch, tmp_path, no_system_toolkit):
     _no_real_build(monkeypatch)
     nvidia = _fake_wheel_tree(tmp_path / "site", cccl=False)
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [nvidia])
     info = kernels.extension_info()
     assert not info.loaded and "nvidia-cuda-cccl" in info.reason
 
@@ -412,13 +426,13 @@ def test_wheels_without_cccl_are_named(monkeypatch, tmp_path, no_system_toolkit)
 @pytest.mark.skipif(sys.platform.startswith("win"), reason="the fake nvcc is a POSIX shell script")
 def test_wheels_win_over_a_system_toolkit_of_another_major(monkeypatch, tmp_path, no_system_toolkit):
     old = _fake_cuda_home(tmp_path, "12.4")
-    monkeypatch.setattr(loader, "_DEFAULT_CUDA_HOME", str(old))
+    monkeypatch.setattr(toolchain, "DEFAULT_CUDA_HOME", str(old))
     nvidia = _fake_wheel_tree(tmp_path / "site")
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [nvidia])
-    home, source = loader._cuda_home()
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [nvidia])
+    home, source = toolchain.find_cuda_home()
     assert "pip wheels" in source and home != str(old)
-    monkeypatch.setattr(loader.wheel_toolkit, "_nvidia_dirs", lambda: [])
-    assert loader._cuda_home() == (str(old), str(old))  # without wheels: the mismatch is then reported
+    monkeypatch.setattr(wheel_toolkit, "nvidia_dirs", lambda: [])
+    assert toolchain.find_cuda_home() == (str(old), str(old))  # without wheels: the mismatch is then reported
 
 
 # ------------------------------------------------------------------ build notice, verbosity
@@ -443,7 +457,7 @@ def test_a_build_is_announced_on_stderr(monkeypatch, fake_toolchain, capsys):
 
 
 def test_no_notice_when_the_cache_holds_the_build(monkeypatch, fake_toolchain, capsys):
-    build_dir = loader._build_dir(loader._check_toolchain())
+    build_dir = build_cache.build_directory(toolchain.check())
     build_dir.mkdir(parents=True)
     (build_dir / f"{loader.EXTENSION_NAME}.so").write_text("")
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: type(sys)("fake_ext"))
@@ -482,6 +496,21 @@ def test_extension_or_none_without_toolchain(monkeypatch):
     assert "CPU-only" in loader.extension_info().reason
 
 
+def test_a_fresh_load_attempt_tries_again_and_restores_the_earlier_one(monkeypatch, fake_toolchain):
+    sentinel = type(sys)("fake_ext")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: sentinel)
+    outer = kernels.extension_info()
+    assert outer.loaded
+    with loader.fresh_load_attempt():
+        assert not loader.load_attempted()
+        monkeypatch.setattr(toolchain, "ninja_available", lambda: False)
+        inner = kernels.extension_info()
+        assert not inner.loaded and "ninja" in inner.reason
+        assert loader.extension_or_none() is None
+    assert loader.load_attempted() and kernels.extension_info() is outer
+    assert kernels.load_extension() is sentinel
+
+
 def test_top_level_extension_info_is_the_loaders():
     import lightning_cafin
 
@@ -495,19 +524,19 @@ def _prebuilt(monkeypatch, tmp_path, **overrides):
     prebuilt = tmp_path / "prebuilt"
     prebuilt.mkdir()
     (prebuilt / "lightning_cafin_C.so").write_text("")
-    key = {**loader._runtime_key(), **overrides}
+    key = {**prebuilt_copy.runtime_key(), **overrides}
     (prebuilt / "build.json").write_text(json.dumps({"runtime_key": key, "arch": "9.0",
                                                      "file": "lightning_cafin_C.so"}))
-    monkeypatch.setattr(loader, "PREBUILT_DIR", prebuilt)
+    monkeypatch.setattr(prebuilt_copy, "PREBUILT_DIR", prebuilt)
     sentinel = type(sys)("prebuilt_ext")
-    monkeypatch.setattr(loader, "_import_from", lambda path: sentinel)
+    monkeypatch.setattr(prebuilt_copy, "import_extension", lambda path: sentinel)
     return sentinel
 
 
 def test_a_prebuilt_copy_that_fits_is_loaded_without_a_toolchain(monkeypatch, tmp_path):
     _no_real_build(monkeypatch)
     sentinel = _prebuilt(monkeypatch, tmp_path)
-    monkeypatch.setattr(loader, "_check_toolchain", lambda: pytest.fail("no toolchain check needed"))
+    monkeypatch.setattr(toolchain, "check", lambda: pytest.fail("no toolchain check needed"))
     assert loader.extension_or_none() is sentinel
     assert "built at install time" in loader.extension_info().reason
 
@@ -525,6 +554,29 @@ def test_a_prebuilt_copy_for_another_gpu_is_ignored(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
-    assert loader._prebuilt() is None
+    assert prebuilt_copy.find_prebuilt() is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
-    assert loader._prebuilt() is not None
+    assert prebuilt_copy.find_prebuilt() is not None
+
+
+def test_the_cli_writes_a_copy_that_the_loader_takes(monkeypatch, fake_toolchain, tmp_path, capsys):
+    """``--build --output`` (setup.py's LIGHTNING_CAFIN_BUILD=1) writes the module with the key it is found by."""
+    so = tmp_path / "built" / "lightning_cafin_C.so"
+    so.parent.mkdir()
+    so.write_text("not really a module")
+    built = type(sys)("fake_ext")
+    built.__file__ = str(so)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built)
+    output = tmp_path / "prebuilt"
+    assert loader.main(["--build", "--output", str(output)]) == 0
+    assert f"copied to {output / so.name}" in capsys.readouterr().out
+    meta = json.loads((output / "build.json").read_text())
+    assert meta["runtime_key"] == prebuilt_copy.runtime_key() and meta["arch"] == "9.0"
+    assert meta["built_with"] == loader.build_key(toolchain.check())
+    assert (output / so.name).read_text() == "not really a module"
+    _no_real_build(monkeypatch)
+    monkeypatch.setattr(prebuilt_copy, "PREBUILT_DIR", output)
+    monkeypatch.setattr(prebuilt_copy, "import_extension", lambda path: (path, "imported"))
+    found = prebuilt_copy.find_prebuilt()
+    assert found is not None and found[0] == (output / so.name, "imported")
+    assert found[1].loaded and "built at install time" in found[1].reason
