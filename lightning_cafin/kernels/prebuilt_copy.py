@@ -22,7 +22,7 @@ import torch
 from .build_cache import build_key
 from .info import ExtensionInfo
 from .sources import EXTENSION_NAME, source_hash
-from .toolchain import Toolchain
+from .toolchain import Toolchain, visible_capabilities
 
 #: Where a copy built ahead of time lives inside the installed package (read on each call).
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
@@ -40,13 +40,8 @@ def runtime_key() -> dict[str, str]:
 
 def _arch_covers(arch_list: str) -> bool:
     """Whether code built for ``arch_list`` runs on every visible GPU (True without a GPU)."""
-    try:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        count = 0
     built = [a.strip() for a in arch_list.replace(",", ";").split(";") if a.strip()]
-    for i in range(count):
-        major, minor = torch.cuda.get_device_capability(i)
+    for major, minor in visible_capabilities():
         cap = f"{major}.{minor}"
         same = any(a.split("+")[0] == cap for a in built)
         ptx_below = any(a.endswith("+PTX") and float(a.split("+")[0]) <= float(cap) for a in built)

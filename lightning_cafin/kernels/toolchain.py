@@ -133,17 +133,22 @@ def ninja_available() -> bool:
     return True
 
 
+def visible_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) compute capability of each visible GPU; [] without one."""
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver must not stop a CPU-side build
+        count = 0
+    return [torch.cuda.get_device_capability(i) for i in range(count)]
+
+
 def arch_list() -> tuple[str, str]:
     """(arch list, where it came from): TORCH_CUDA_ARCH_LIST, the visible GPUs, or 9.0."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if env and env != "native":
         return env, "TORCH_CUDA_ARCH_LIST"
-    try:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver must not stop a CPU-side build
-        count = 0
-    if count > 0:
-        caps = sorted({torch.cuda.get_device_capability(i) for i in range(count)})
+    caps = sorted(set(visible_capabilities()))
+    if caps:
         return ";".join(f"{major}.{minor}" for major, minor in caps), "visible GPUs"
     return DEFAULT_ARCH_LIST, "default (no GPU visible, TORCH_CUDA_ARCH_LIST unset)"
 
