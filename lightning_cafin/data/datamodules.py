@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from .augment import prepare_batch
@@ -25,6 +26,9 @@ from .idx import find_idx_files, load_idx_split
 
 #: Where ``download=True`` puts files when no ``root`` is given.
 DEFAULT_DOWNLOAD_ROOT = Path("data")
+
+#: A split as setup() makes it: the loaded tensors, or a subset of them (both have a length).
+_Split = Union[TensorDataset, Subset[tuple[Tensor, ...]]]
 
 #: Per-dataset (mean, std) of the training images, for normalisation.
 IDX_STATS = {"fashion-mnist": ((0.2860,), (0.3530,)), "mnist": ((0.1307,), (0.3081,))}
@@ -82,12 +86,14 @@ class _InMemoryImageDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning calls this on one process per node: the only place that may download.
         if self.download:
-            self._fetch(Path(self._effective_root()))
+            self._fetch(Path(self.root) if self.root is not None else DEFAULT_DOWNLOAD_ROOT)
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
-        train, test = self._load("train"), self._load("test")
+        train: _Split = self._load("train")  # train first: a missing-files error names the train split
+        test = self._load("test")
+        val: _Split
         if self.val_size:
             if self.val_size >= len(train):
                 raise ValueError(f"val_size={self.val_size} leaves no training images (the split has {len(train)})")

@@ -85,10 +85,10 @@ def _check_cifar(name: str) -> Callable[[Path], None]:
 
         spec = _LAYOUT[name]
         with tarfile.open(path, "r:gz") as tar:
-            for f in spec["train"] + spec["test"]:
-                member = tar.extractfile(f"{spec['folder']}/{f}")
+            for f in spec.train + spec.test:
+                member = tar.extractfile(f"{spec.folder}/{f}")
                 if member is None:
-                    raise ValueError(f"the archive has no {spec['folder']}/{f}")
+                    raise ValueError(f"the archive has no {spec.folder}/{f}")
                 _unpickle(member.read(), f)
 
     return check

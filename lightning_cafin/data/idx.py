@@ -17,7 +17,8 @@ import torch
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
-_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_DTYPES = {code: np.dtype(t) for code, t in
+           {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}.items()}
 _FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -65,16 +66,17 @@ def _find(folder: Path, stem: str) -> Optional[Path]:
     return None
 
 
-def find_idx_files(name: str = "fashion-mnist", split: str = "train", root=None) -> tuple[Path, Path]:
+def find_idx_files(name: str = "fashion-mnist", split: str = "train",
+                   root: Optional[Union[str, Path]] = None) -> tuple[Path, Path]:
     """(images, labels) paths of ``split`` ('train' or 'test'), or a :class:`DataNotFoundError`."""
     if split not in _FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     images, labels = _FILES[split]
     places = _candidates(root, name)
     for folder in places:
-        found = _find(folder, images), _find(folder, labels)
-        if all(found):
-            return found  # type: ignore[return-value]
+        image_file, label_file = _find(folder, images), _find(folder, labels)
+        if image_file is not None and label_file is not None:
+            return image_file, label_file
     looked = "\n  ".join(str(p) for p in places) or "(no place: pass root=...)"
     hint = (
         "On Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist (installs to "
@@ -85,7 +87,8 @@ def find_idx_files(name: str = "fashion-mnist", split: str = "train", root=None)
     raise DataNotFoundError(f"{name} {split} files not found. Looked in:\n  {looked}\n{hint}")
 
 
-def load_idx_split(name: str = "fashion-mnist", split: str = "train", root=None) -> tuple[torch.Tensor, torch.Tensor]:
+def load_idx_split(name: str = "fashion-mnist", split: str = "train",
+                   root: Optional[Union[str, Path]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Images as stored, uint8 with a channel dim ``(N, 1, H, W)``, and labels as int64."""
     images_path, labels_path = find_idx_files(name, split, root)
     images, labels = read_idx(images_path), read_idx(labels_path).long()
@@ -95,7 +98,8 @@ def load_idx_split(name: str = "fashion-mnist", split: str = "train", root=None)
     return images.unsqueeze(1).contiguous(), labels
 
 
-def load_idx_dataset(name: str = "fashion-mnist", split: str = "train", root=None) -> torch.utils.data.TensorDataset:
+def load_idx_dataset(name: str = "fashion-mnist", split: str = "train",
+                     root: Optional[Union[str, Path]] = None) -> torch.utils.data.TensorDataset:
     """Images as float32 in [0, 1] with a channel dim ``(N, 1, 28, 28)``, labels as int64."""
     images, labels = load_idx_split(name, split, root)
     return torch.utils.data.TensorDataset(images.float().div_(255.0), labels)

@@ -2,6 +2,17 @@
 
 Importing this package is cheap and never builds anything; the first call to
 :func:`load_extension` / :func:`extension_info` does.
+
+The modules, one job each:
+
+* :mod:`.loader` keeps the process's one load attempt and is the command line;
+* :mod:`.sources`: where ``csrc/`` is, what is compiled and hashed, with which flags;
+* :mod:`.toolchain` finds and checks nvcc, ``CUDA_HOME``, ninja and the arch list
+  (:mod:`.wheel_toolkit`: a toolkit from NVIDIA's pip wheels);
+* :mod:`.build_cache`: the cache root and the folder of one build key;
+* :mod:`.prebuilt_copy`: the copy built into the package at install time;
+* :mod:`.build` builds and imports with a checked toolchain;
+* :mod:`.info`: :class:`ExtensionInfo`, what a load attempt came to.
 """
 
 from __future__ import annotations

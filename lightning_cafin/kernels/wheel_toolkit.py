@@ -51,8 +51,11 @@ def install_hint(torch_cuda: str) -> str:
     return "pip install " + " ".join(f'"{n}=={torch_cuda}.*"' for n in names)
 
 
-def _nvidia_dirs() -> list[Path]:
-    """Every ``site-packages/nvidia`` folder on ``sys.path`` (a namespace package: never imported)."""
+def nvidia_dirs() -> list[Path]:
+    """Every ``site-packages/nvidia`` folder on ``sys.path`` (a namespace package: never imported).
+
+    Looked up on each call through this module, so a test can stand in a fake wheel tree.
+    """
     try:
         spec = importlib.util.find_spec("nvidia")
     except (ImportError, ValueError):
@@ -65,7 +68,7 @@ def _nvidia_dirs() -> list[Path]:
 def wheel_roots(cuda_major: str) -> list[Path]:
     """The wheel folders that make up a CUDA ``cuda_major`` toolkit, nvcc's first; [] if nvcc is absent."""
     roots: list[Path] = []
-    for base in _nvidia_dirs():
+    for base in nvidia_dirs():
         names = (f"cu{cuda_major}",) if int(cuda_major) >= 13 else _CU12_PARTS
         roots += [base / name for name in names if (base / name).is_dir()]
     with_nvcc = [r for r in roots if (r / "bin" / "nvcc").is_file()]

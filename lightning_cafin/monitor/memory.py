@@ -13,6 +13,7 @@ an input's storage (in-place results and views) are not new memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -30,7 +31,8 @@ class _CpuAllocations(TorchDispatchMode):
         super().__init__()
         self.bytes = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
             t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
@@ -95,7 +97,8 @@ class _CpuPeak(TorchDispatchMode):
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
             t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)

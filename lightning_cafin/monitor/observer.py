@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from torchmetrics.aggregation import MaxMetric, MeanMetric
 
-from ..backends import make_backend
+from ..backends import StepBackend, make_backend
 from .capture_cost import CaptureCost
 from .memory import AllocatedMemory
 from .preconditioner import PreconditionerHealth
-from .shadow import Divergence, divergence, replay, take_snapshot
+from .shadow import Divergence, Snapshot, divergence, replay, take_snapshot
 from .tags import tag
 from .timing import StepTimer
 
@@ -69,9 +69,9 @@ class OptimizerMonitor:
         self.shadow_due = False
         self._shadow_results: list[dict[tuple[Optional[str], str], float]] = []
         self._step_mean, self._step_max = MeanMetric(), MaxMetric()
-        self._snapshot = None
+        self._snapshot: Optional[Snapshot] = None
         self._live_memory: Optional[AllocatedMemory] = None
-        self._baseline = None
+        self._baseline: Optional[StepBackend] = None
 
     # ------------------------------------------------------- inside step()
     def before_capture(self, opt: Any) -> None:
@@ -94,6 +94,7 @@ class OptimizerMonitor:
             return
         live_bytes = self._live_memory.stop()  # always pops what before_update pushed
         snapshot, self._snapshot, self._live_memory, self.shadow_due = self._snapshot, None, None, False
+        assert snapshot is not None  # taken in before_update together with _live_memory
         if self._baseline is None:
             self._baseline = make_backend(self.baseline_backend)
         timer = StepTimer(self.device)

@@ -9,7 +9,7 @@ results are compared.  Nothing live is touched by the replay.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class Divergence:
     rel: float  # max_abs / largest |baseline| element
 
 
-def take_snapshot(opt) -> Snapshot:
+def take_snapshot(opt: Any) -> Snapshot:
     """Copies of everything the coming update reads and writes (a sharded parameter's local shard)."""
     snap = Snapshot(grad_scale=None if getattr(opt, "grad_scale", None) is None else opt.grad_scale.clone())
     for gi, group in enumerate(opt.param_groups):
@@ -55,7 +55,7 @@ def take_snapshot(opt) -> Snapshot:
     return snap
 
 
-def replay(opt, snap: Snapshot, backend: StepBackend, found_inf: Optional[Tensor] = None) -> None:
+def replay(opt: Any, snap: Snapshot, backend: StepBackend, found_inf: Optional[Tensor] = None) -> None:
     """Apply the update to the snapshot's copies with ``backend`` and the optimizer's current factors.
 
     ``found_inf`` is the live step's loss-scaler flag: a step the live update skipped on

@@ -14,40 +14,42 @@ import torch
 
 
 class StepTimer:
+    """Spans opened by :meth:`start` and closed by :meth:`stop`, read in :meth:`drain`."""
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._open: Optional[object] = None
-        self._done: list[tuple[object, object]] = []
+        # One pair of lists per clock, so that each is typed: CUDA events on a GPU, seconds on the CPU.
+        self._open_event: Optional[torch.cuda.Event] = None
+        self._open_time: Optional[float] = None
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._times: list[tuple[float, float]] = []
 
     def start(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._open = event
+            self._open_event = event
         else:
-            self._open = time.perf_counter()
+            self._open_time = time.perf_counter()
 
     def stop(self) -> None:
-        if self._open is None:
-            return
-        if self.cuda:
+        if self._open_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        else:
-            end = time.perf_counter()
-        self._done.append((self._open, end))
-        self._open = None
+            self._events.append((self._open_event, end))
+            self._open_event = None
+        elif self._open_time is not None:
+            self._times.append((self._open_time, time.perf_counter()))
+            self._open_time = None
 
     @property
     def pending(self) -> int:
-        return len(self._done)
+        return len(self._events) + len(self._times)
 
     def drain(self) -> list[float]:
         """Milliseconds of every completed span since the last drain."""
-        done, self._done = self._done, []
-        if not done:
-            return []
-        if self.cuda:
-            done[-1][1].synchronize()
-            return [start.elapsed_time(end) for start, end in done]
-        return [(end - start) * 1e3 for start, end in done]
+        events, self._events = self._events, []
+        times, self._times = self._times, []
+        if events:
+            events[-1][1].synchronize()
+        return [start.elapsed_time(end) for start, end in events] + [(end - start) * 1e3 for start, end in times]

@@ -11,7 +11,6 @@ included.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch

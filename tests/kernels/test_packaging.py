@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_cafin.kernels import loader
+from lightning_cafin.kernels import sources
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def installed(wheel, tmp_path_factory) -> Path:
 
 def test_wheel_holds_every_source_the_loader_compiles(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {f"lightning_cafin/csrc/{f}" for f in loader.source_files() + loader.header_files()}
+    wanted = {f"lightning_cafin/csrc/{f}" for f in sources.source_files() + sources.header_files()}
     assert wanted <= names, sorted(wanted - names)
 
 
@@ -54,7 +54,7 @@ def test_installed_wheel_loader_uses_packaged_csrc(installed, tmp_path):
     target = installed
     env = {**os.environ, "PYTHONPATH": str(target)}
     found = subprocess.run(
-        [sys.executable, "-c", "from lightning_cafin.kernels import loader; print(loader._CSRC_DIR)"],
+        [sys.executable, "-c", "from lightning_cafin.kernels import sources; print(sources.sources_dir())"],
         check=True,
         capture_output=True,
         text=True,
@@ -67,8 +67,11 @@ def test_installed_wheel_loader_uses_packaged_csrc(installed, tmp_path):
 def test_installed_copy_and_checkout_never_share_a_cache_folder(installed, tmp_path):
     """The cache key holds the install location: a pip-installed copy cannot evict the checkout's build."""
     target = installed
-    code = ("from lightning_cafin.kernels import loader; print(loader._build_dir({'nvcc_version': '13.0', "
-            "'arch_list': '9.0', 'cuda_home': '/usr/local/cuda', 'host_compiler': 'c++'}))")
+    code = ("from lightning_cafin.kernels.build_cache import build_directory\n"
+            "from lightning_cafin.kernels.toolchain import Toolchain\n"
+            "print(build_directory(Toolchain(cuda_home='/usr/local/cuda', cuda_home_source='CUDA_HOME', "
+            "nvcc='/usr/local/cuda/bin/nvcc', nvcc_version='13.0', arch_list='9.0', arch_source='TORCH_CUDA_ARCH_LIST', "
+            "host_compiler='c++')))")
     folders = []
     for where in (target, REPO):
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
