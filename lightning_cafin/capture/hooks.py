@@ -24,7 +24,8 @@ binding a second optimizer, replaces the owner instead of stacking hooks.
 Under ``torch.compile`` the hook body is never traced: it reads Python state (the owner,
 the capture schedule) and mutates the pending statistics, which a traced graph would
 freeze or misroute (code traced for one module reused for another of the same shapes).
-The hook is ``torch.compiler.disable``-d: one graph break per bound module, and the
+The hook is ``torch.compiler.disable``-d: one graph break per bound module (two for a norm
+module with a ``gradient_tap``, whose pre-hook is disabled too), and the
 statistics are those of eager mode (the wrapper costs under a microsecond per module call
 in eager mode; a hook checking ``torch.compiler.is_compiling()`` itself instead was compiled
 as a frame of its own, recompiled per module type, and then ran its body with dynamo active).
@@ -63,24 +64,41 @@ class PendingStats:
 
     def _fold(self) -> None:
         for h, s in self._more:
-            self._h, self._s = self._h + h, self._s + s
+            self._h = h if self._h is None else self._h + h
+            self._s = s if self._s is None else self._s + s
         self._more.clear()
 
     # the sums over every micro-batch so far (the kept-apart partials are added on access)
-    h = property(lambda self: self._folded("_h"), lambda self, v: self._set_folded("_h", v))
-    s = property(lambda self: self._folded("_s"), lambda self, v: self._set_folded("_s", v))
-
-    def _folded(self, name: str) -> Optional[Tensor]:
+    @property
+    def h(self) -> Optional[Tensor]:
         self._fold()
-        return getattr(self, name)
+        return self._h
 
-    def _set_folded(self, name: str, value: Optional[Tensor]) -> None:
+    @h.setter
+    def h(self, value: Optional[Tensor]) -> None:
         self._fold()
-        setattr(self, name, value)
+        self._h = value
+
+    @property
+    def s(self) -> Optional[Tensor]:
+        self._fold()
+        return self._s
+
+    @s.setter
+    def s(self, value: Optional[Tensor]) -> None:
+        self._fold()
+        self._s = value
+
+    def sums(self) -> tuple[Tensor, Tensor]:
+        """``(h, s)`` of a pending that holds at least one call (``calls > 0``)."""
+        h, s = self.h, self.s
+        if h is None or s is None:
+            raise RuntimeError("PendingStats.sums(): no forward/backward pair was added")
+        return h, s
 
     def add(self, h: Tensor, hn: float, s: Tensor, sn: float) -> bool:
         """Add one forward/backward pair; refuse one whose shape differs from the others."""
-        if self._h is not None and (self._h.shape != h.shape or self._s.shape != s.shape):
+        if self._h is not None and self._s is not None and (self._h.shape != h.shape or self._s.shape != s.shape):
             return False
         if self._h is None:
             self._h, self._s = h, s
@@ -157,7 +175,7 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionar
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-def _no_grad_in_backward():
+def _no_grad_in_backward() -> contextlib.AbstractContextManager[object]:
     """no_grad only where the backward builds a graph (create_graph=True): a backward hook
     normally runs with grad mode off already, and the context costs host time per layer."""
     return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
@@ -244,7 +262,7 @@ def _tap_hook_for(slot: "_Slot") -> Callable[..., None]:
 
 def _never_traced(hook: Callable[..., None]) -> Callable[..., None]:
     disabled = torch.compiler.disable(hook, recursive=True)
-    disabled._lightning_cafin_capture = True  # type: ignore[attr-defined]
+    disabled._lightning_cafin_capture = True
     return disabled
 
 

@@ -147,7 +147,7 @@ def check_layers(layers: str) -> str:
     return layers
 
 
-def _own_forward(module: nn.Module, base: type) -> bool:
+def _own_forward(module: nn.Module, base: type[nn.Module]) -> bool:
     """Whether ``module``'s class overrides ``base.forward``."""
     return type(module).forward is not base.forward
 
