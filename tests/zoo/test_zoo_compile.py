@@ -62,16 +62,18 @@ def _record_fed_tensors(model):
             t.register_hook(lambda g: pair.__setitem__(1, g.detach().clone()))
             return pair
 
-        def on_forward(module, args, output, calls=calls, tap=gradient_tap(module) is not None):
+        tapped = gradient_tap(module) is not None
+
+        def on_forward(module, args, output, calls=calls, tapped=tapped):
             if not torch.is_grad_enabled():
                 return
-            if tap:
+            if tapped:
                 calls[-1][0] = args[0].detach().clone()
             else:
                 grad_hook(calls, output)[0] = args[0].detach().clone()
 
         handles.append(module.register_forward_hook(torch.compiler.disable(on_forward)))
-        if gradient_tap(module) is not None:
+        if tapped:
             def on_tap(sub, args, calls=calls):
                 if torch.is_grad_enabled():
                     grad_hook(calls, args[0])

@@ -6,7 +6,7 @@ flattened input) plus a ones column for the bias; ``S`` one per output feature.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,7 @@ class LinearRule(LayerRule):
             self.kind = "linear_transposed"
 
     def _in_features(self, module: nn.Module) -> int:
-        weight: Tensor = getattr(module, "weight")
+        weight = cast(Tensor, module.weight)  # supports() checked it is a 2-D tensor
         return weight.shape[0] if self.transposed else weight.shape[-1]
 
     def supports(self, module: nn.Module) -> bool:

@@ -20,7 +20,7 @@ channel dim, strided views included); elsewhere the torch ops.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -101,7 +101,7 @@ class FeatureNormRule(_TwoColumnRule):
         """``t`` as ``(..., N)``: the normalised elements flattened into the last dim."""
         if self.channels_first and t.dim() >= 2:
             t = t.movedim(1, -1)
-        shape = getattr(module, "weight").shape
+        shape = cast(Tensor, module.weight).shape  # supports() checked it is a tensor
         nd = len(shape)
         if nd != 1 and t.dim() >= nd and tuple(t.shape[t.dim() - nd :]) == tuple(shape):
             t = t.reshape(*t.shape[: t.dim() - nd], -1)
