@@ -32,14 +32,14 @@ from .hooks import LayerCapture, PendingStats
 Sizes = tuple[tuple[int, int], ...]
 
 
-def distributed_world(group: Optional[object] = None) -> int:
+def distributed_world(group: Optional[dist.ProcessGroup] = None) -> int:
     """The data-parallel world size, or 1 when torch.distributed is not in use."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
-def _collective_device(group: Optional[object]) -> torch.device:
+def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     if dist.get_backend(group) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -53,7 +53,14 @@ def _stat_dtype_of(cap: LayerCapture) -> torch.dtype:
 
 
 def _local_sizes(captures: Sequence[LayerCapture]) -> list[Optional[tuple[int, int]]]:
-    return [(c.pending.h.numel(), c.pending.s.numel()) if c.pending.calls else None for c in captures]
+    out: list[Optional[tuple[int, int]]] = []
+    for c in captures:
+        if c.pending.calls:
+            h, s = c.pending.sums()
+            out.append((h.numel(), s.numel()))
+        else:
+            out.append(None)
+    return out
 
 
 @dataclass
@@ -80,7 +87,7 @@ class StatisticsReduction:
         two counts per layer and the sums (fixed by the layers' shapes, whatever the batch)."""
         return 1 + sum(2 + sum(size or (0, 0)) for size in _local_sizes(captures))
 
-    def all_reduce(self, captures: Sequence[LayerCapture], group: Optional[object] = None) -> None:
+    def all_reduce(self, captures: Sequence[LayerCapture], group: Optional[dist.ProcessGroup] = None) -> None:
         """Replace every capture's pending statistics by their sum over all ranks."""
         world = distributed_world(group)
         self.last = ReductionStats()
@@ -96,7 +103,7 @@ class StatisticsReduction:
         if not self._reduce(captures, self._sizes, True, world, group):  # pragma: no cover - sizes just agreed
             raise RuntimeError("the statistics layout changed while it was being agreed")
 
-    def _agree(self, local: list[Optional[tuple[int, int]]], group: Optional[object]) -> Sizes:
+    def _agree(self, local: list[Optional[tuple[int, int]]], group: Optional[dist.ProcessGroup]) -> Sizes:
         sizes = torch.tensor([list(s) if s is not None else [0, 0] for s in local], dtype=torch.int64,
                              device=_collective_device(group))
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
@@ -111,7 +118,7 @@ class StatisticsReduction:
         return agreed
 
     def _reduce(self, captures: Sequence[LayerCapture], sizes: Sizes, fits: bool, world: int,
-                group: Optional[object]) -> bool:
+                group: Optional[dist.ProcessGroup]) -> bool:
         """One all-reduce in ``sizes``' layout; False (nothing changed) when some rank did not fit it."""
         device = _collective_device(group)
         dtype = torch.float64 if any(_stat_dtype_of(c) == torch.float64 for c in captures) else torch.float32
@@ -121,7 +128,7 @@ class StatisticsReduction:
             p = cap.pending
             if fits and p.calls:
                 head += [p.hn, p.sn]
-                body += [p.h.reshape(-1).to(device, dtype), p.s.reshape(-1).to(device, dtype)]
+                body += [t.reshape(-1).to(device, dtype) for t in p.sums()]
             else:
                 head += [0.0, 0.0]
                 body.append(torch.zeros(nh + ns, dtype=dtype, device=device))

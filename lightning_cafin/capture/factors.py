@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, overload
 
 import torch
 from torch import Tensor
@@ -65,7 +65,7 @@ class _DeviceFlags:
         return self._host
 
 
-class _Names(Sequence):
+class _Names(Sequence[str]):
     """A list of layer names, part of it known only once device flags are read."""
 
     def __init__(self, resolve: Callable[[], list[str]]):
@@ -77,7 +77,13 @@ class _Names(Sequence):
             self._value = self._resolve()
         return self._value
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         return self._list()[i]
 
     def __len__(self) -> int:
@@ -86,7 +92,7 @@ class _Names(Sequence):
     def __iter__(self) -> Iterator[str]:
         return iter(self._list())
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return self._list() == list(other) if isinstance(other, (list, tuple, Sequence)) else NotImplemented
 
     def __repr__(self) -> str:
@@ -147,24 +153,25 @@ class _KernelJob:
 
 def _kernel_job(cap: LayerCapture, pending: PendingStats, plan: KernelPlan,
                 grad_scale: Optional[float]) -> _KernelJob:
-    nH, ns = plan.h_size(pending.h), pending.s.numel()
-    init = cap.H is None or cap.H.shape != (nH,) or cap.S.shape != (ns,) or cap.H.dtype != torch.float32
+    h, s = pending.sums()
+    nH, ns = plan.h_size(h), s.numel()
+    init = (cap.H is None or cap.S is None or cap.H.shape != (nH,) or cap.S.shape != (ns,)
+            or cap.H.dtype != torch.float32)
     flags = (1 if plan.append else 0) | (2 if init else 0)
     scale = 1.0
     if grad_scale is not None and grad_scale != 1.0:
         flags |= 4
         scale = grad_scale**cap.rule.s_scale_power
-    if init:
-        H = torch.empty(nH, device=pending.h.device, dtype=torch.float32)
-        S = torch.empty(ns, device=pending.h.device, dtype=torch.float32)
+    if cap.H is None or cap.S is None or init:
+        H = torch.empty(nH, device=h.device, dtype=torch.float32)
+        S = torch.empty(ns, device=h.device, dtype=torch.float32)
     else:
         H, S = cap.H, cap.S
-    return _KernelJob(cap, pending.h.contiguous(), pending.s.contiguous(), H, S, plan, flags,
-                      float(pending.sn), float(scale), init)
+    return _KernelJob(cap, h.contiguous(), s.contiguous(), H, S, plan, flags, float(pending.sn), float(scale), init)
 
 
 def _kernel_ready(cap: LayerCapture, pending: PendingStats) -> bool:
-    h, s = pending.h, pending.s  # which devices the kernels take is ext_for's decision
+    h, s = pending.sums()  # which devices the kernels take is ext_for's decision
     if not (h.dtype == torch.float32 and s.dtype == torch.float32):
         return False
     if h.dim() != 1 or s.dim() != 1 or h.numel() == 0 or s.numel() == 0:
@@ -174,8 +181,9 @@ def _kernel_ready(cap: LayerCapture, pending: PendingStats) -> bool:
     device = cap.device
     if h.device != device or s.device != device:
         return False
-    if cap.H is not None and not (cap.H.dtype == torch.float32 and cap.H.is_contiguous() and cap.S.is_contiguous()
-                                  and cap.H.device == device and cap.S.device == device):
+    if cap.H is not None and cap.S is not None and not (
+            cap.H.dtype == torch.float32 and cap.H.is_contiguous() and cap.S.is_contiguous()
+            and cap.H.device == device and cap.S.device == device):
         return False
     return True
 
@@ -197,22 +205,23 @@ def update_factors(
         if pending.calls == 0:
             report.not_fired.append(cap.name)
             continue
-        plan = cap.rule.kernel_plan(cap.module, pending.h, pending.hn) if _kernel_ready(cap, pending) else None
-        if plan is not None and _kernels.ext_for(pending.h) is not None:
+        h, s = pending.sums()
+        plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, pending) else None
+        if plan is not None and _kernels.ext_for(h) is not None:
             jobs.append(_kernel_job(cap, pending, plan, grad_scale))
             report._decided(cap.name, None)
             continue
-        s = pending.s
         if grad_scale is not None and grad_scale != 1.0:
             s = s / grad_scale**cap.rule.s_scale_power
-        H_raw, S_raw = cap.rule.finalize(cap.module, pending.h, pending.hn, s, pending.sn)
+        H_raw, S_raw = cap.rule.finalize(cap.module, h, pending.hn, s, pending.sn)
         if torch.isnan(H_raw).any() or torch.isnan(S_raw).any():
             report._decided(cap.name, True)
             continue
         device = cap.device
         H_hat = normalise_(H_raw.to(device=device, dtype=torch.float32 if H_raw.dtype != torch.float64 else H_raw.dtype))
         S_hat = normalise_(S_raw.to(device=device, dtype=H_hat.dtype))
-        if cap.H is None or cap.H.shape != H_hat.shape or cap.S.shape != S_hat.shape or cap.H.dtype != H_hat.dtype:
+        if (cap.H is None or cap.S is None or cap.H.shape != H_hat.shape or cap.S.shape != S_hat.shape
+                or cap.H.dtype != H_hat.dtype):
             cap.H = torch.ones_like(H_hat)
             cap.S = torch.ones_like(S_hat)
         fold_(cap.H, H_hat, gamma)
@@ -230,6 +239,8 @@ def _launch(jobs: list[_KernelJob], gamma: float, report: CaptureReport) -> None
     for job in jobs:
         by_device.setdefault(job.h.device, []).append(job)
     ext = _kernels.ext_for(jobs[0].h)
+    if ext is None:  # the jobs were made only where ext_for gave the extension
+        raise RuntimeError("capture kernels became unavailable between planning and launch")
     for device, group in by_device.items():
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             flags = ext.factor_update_(

@@ -11,6 +11,12 @@ in the backward pass (the forward pass is launch-bound, the backward has host ti
 spare), on a side CUDA stream beside the backward's kernels (``streams.py``).  With a
 frozen weight autograd need not keep the input, so its statistics are read in the forward.
 
+A norm module that applies an activation itself (timm's ``GroupNormAct``; ``layers.py``,
+``gradient_tap``) is hooked twice: a forward pre-hook on the submodule that receives the
+norm's affine output registers the tensor hook there, before the activation (in place or
+not) runs on it, so the gradient is the norm's own; the module's forward hook then adds
+the input side to that tap.
+
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
 holds its module's slot (a weak reference to the current owner), so binding again, or
 binding a second optimizer, replaces the owner instead of stacking hooks.
@@ -18,7 +24,8 @@ binding a second optimizer, replaces the owner instead of stacking hooks.
 Under ``torch.compile`` the hook body is never traced: it reads Python state (the owner,
 the capture schedule) and mutates the pending statistics, which a traced graph would
 freeze or misroute (code traced for one module reused for another of the same shapes).
-The hook is ``torch.compiler.disable``-d: one graph break per bound module, and the
+The hook is ``torch.compiler.disable``-d: one graph break per bound module (two for a norm
+module with a ``gradient_tap``, whose pre-hook is disabled too), and the
 statistics are those of eager mode (the wrapper costs under a microsecond per module call
 in eager mode; a hook checking ``torch.compiler.is_compiling()`` itself instead was compiled
 as a frame of its own, recompiled per module type, and then ran its body with dynamo active).
@@ -36,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from . import streams
-from .layers import LayerRule
+from .layers import LayerRule, gradient_tap
 
 
 class PendingStats:
@@ -57,24 +64,41 @@ class PendingStats:
 
     def _fold(self) -> None:
         for h, s in self._more:
-            self._h, self._s = self._h + h, self._s + s
+            self._h = h if self._h is None else self._h + h
+            self._s = s if self._s is None else self._s + s
         self._more.clear()
 
     # the sums over every micro-batch so far (the kept-apart partials are added on access)
-    h = property(lambda self: self._folded("_h"), lambda self, v: self._set_folded("_h", v))
-    s = property(lambda self: self._folded("_s"), lambda self, v: self._set_folded("_s", v))
-
-    def _folded(self, name: str) -> Optional[Tensor]:
+    @property
+    def h(self) -> Optional[Tensor]:
         self._fold()
-        return getattr(self, name)
+        return self._h
 
-    def _set_folded(self, name: str, value: Optional[Tensor]) -> None:
+    @h.setter
+    def h(self, value: Optional[Tensor]) -> None:
         self._fold()
-        setattr(self, name, value)
+        self._h = value
+
+    @property
+    def s(self) -> Optional[Tensor]:
+        self._fold()
+        return self._s
+
+    @s.setter
+    def s(self, value: Optional[Tensor]) -> None:
+        self._fold()
+        self._s = value
+
+    def sums(self) -> tuple[Tensor, Tensor]:
+        """``(h, s)`` of a pending that holds at least one call (``calls > 0``)."""
+        h, s = self.h, self.s
+        if h is None or s is None:
+            raise RuntimeError("PendingStats.sums(): no forward/backward pair was added")
+        return h, s
 
     def add(self, h: Tensor, hn: float, s: Tensor, sn: float) -> bool:
         """Add one forward/backward pair; refuse one whose shape differs from the others."""
-        if self._h is not None and (self._h.shape != h.shape or self._s.shape != s.shape):
+        if self._h is not None and self._s is not None and (self._h.shape != h.shape or self._s.shape != s.shape):
             return False
         if self._h is None:
             self._h, self._s = h, s
@@ -115,14 +139,34 @@ class LayerCapture:
         return pending
 
 
-class _Slot:
-    """A module's hook and its current owner (weakly: an optimizer dropped unbinds itself)."""
+class _GradTap:
+    """A tensor hook registered on a norm's affine output in the forward; the module's own
+    forward hook, which runs later, sets what it calls with the gradient."""
 
-    __slots__ = ("handle", "owner", "__weakref__")
+    __slots__ = ("call",)
+
+    def __init__(self) -> None:
+        self.call: Optional[Callable[[Tensor], None]] = None
+
+    def __call__(self, grad: Tensor) -> None:
+        if self.call is not None:
+            self.call(grad)
+
+
+class _Slot:
+    """A module's hook and its current owner (weakly: an optimizer dropped unbinds itself).
+
+    ``tap_handle``: the pre-hook on the submodule receiving the affine output, for modules
+    with a ``gradient_tap``; ``tapped``: the tap it registered in the current forward.
+    """
+
+    __slots__ = ("handle", "owner", "tap_handle", "tapped", "__weakref__")
 
     def __init__(self, owner: LayerCapture):
         self.handle: Optional[RemovableHandle] = None
-        self.owner = weakref.ref(owner)
+        self.tap_handle: Optional[RemovableHandle] = None
+        self.tapped: Optional[_GradTap] = None
+        self.owner: "weakref.ref[LayerCapture]" = weakref.ref(owner)
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
@@ -131,17 +175,38 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionar
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
-def _no_grad_in_backward():
+def _no_grad_in_backward() -> contextlib.AbstractContextManager[object]:
     """no_grad only where the backward builds a graph (create_graph=True): a backward hook
     normally runs with grad mode off already, and the context costs host time per layer."""
     return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
 
 
-def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+def _wants_capture(capture: LayerCapture, module: nn.Module, output: Tensor) -> bool:
+    """Whether this call's statistics are to be captured (training, grad, a capture step)."""
+    if not module.training or not torch.is_grad_enabled() or not output.requires_grad:
+        return False
+    return capture.is_capturing()
+
+
+def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
+    """Pre-hook of the submodule receiving a norm's affine output: hook the gradient there."""
+    slot.tapped = None
     capture = slot.owner()
-    if capture is None or not module.training or not torch.is_grad_enabled():
+    z = args[0] if args else None
+    if isinstance(z, Tensor) and capture is not None and _wants_capture(capture, capture.module, z):
+        slot.tapped = _GradTap()
+        z.register_hook(slot.tapped)
+
+
+def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    tap, slot.tapped = slot.tapped, None
+    capture = slot.owner()
+    if capture is None:
         return
-    if not isinstance(output, Tensor) or not output.requires_grad or not capture.is_capturing():
+    if slot.tap_handle is not None:
+        if tap is None:
+            return  # the tap saw no capture (or did not run): nothing to add
+    elif not isinstance(output, Tensor) or not _wants_capture(capture, module, output):
         return
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, Tensor):
@@ -170,19 +235,35 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
 
-    output.register_hook(on_output_grad)
+    if tap is not None:
+        tap.call = on_output_grad
+    elif isinstance(output, Tensor):
+        output.register_hook(on_output_grad)
 
 
-def _hook_for(slot: "_Slot") -> Callable:
+def _hook_for(slot: "_Slot") -> Callable[..., None]:
     """The forward hook of one module, never traced by dynamo (a compiled graph breaks to it,
     and no frame it calls is compiled: its Python state stays out of every graph)."""
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         return _capture_forward(slot, module, args, kwargs, output)
 
-    hook = torch.compiler.disable(hook, recursive=True)
-    hook._lightning_cafin_capture = True  # type: ignore[attr-defined]
-    return hook
+    return _never_traced(hook)
+
+
+def _tap_hook_for(slot: "_Slot") -> Callable[..., None]:
+    """The forward pre-hook of a module's ``gradient_tap`` submodule (never traced either)."""
+
+    def hook(submodule: nn.Module, args: tuple) -> None:
+        return _tap_forward(slot, submodule, args)
+
+    return _never_traced(hook)
+
+
+def _never_traced(hook: Callable[..., None]) -> Callable[..., None]:
+    disabled = torch.compiler.disable(hook, recursive=True)
+    disabled._lightning_cafin_capture = True
+    return disabled
 
 
 def _input_saved_for_backward(module: nn.Module) -> bool:
@@ -197,6 +278,9 @@ def attach(capture: LayerCapture) -> Optional[LayerCapture]:
     if slot is None:
         slot = _Slot(capture)
         slot.handle = capture.module.register_forward_hook(_hook_for(slot), with_kwargs=True)
+        tap = gradient_tap(capture.module)
+        if tap is not None:
+            slot.tap_handle = tap.register_forward_pre_hook(_tap_hook_for(slot))
         _SLOTS[capture.module] = slot
         return None
     previous = slot.owner()
@@ -208,7 +292,9 @@ def detach(capture: LayerCapture) -> None:
     """Remove the module's hook if ``capture`` still owns it."""
     slot = _SLOTS.get(capture.module)
     if slot is not None and slot.owner() is capture:
-        slot.handle.remove()
+        for handle in (slot.handle, slot.tap_handle):
+            if handle is not None:
+                handle.remove()
         del _SLOTS[capture.module]
 
 

@@ -20,10 +20,15 @@ Two built-in rule sets, chosen with ``layers=`` on the optimizer:
 
 A module type is never guessed from its shape or attributes alone: a ``LayerNorm``
 subclass with its own ``forward`` that is not in the lists gets F = 1 (register it to
-precondition it), because its layout cannot be told from the module.  Norm modules that
-apply an activation after normalising (timm's ``BatchNormAct2d``, ``GroupNormAct``) get
-F = 1 too, unless the activation is ``nn.Identity``: hooks see only the activation's
-output gradient, not the norm's.
+precondition it), because its layout cannot be told from the module.
+
+Norm modules that apply dropout and an activation after normalising (timm's norm-act
+classes, :data:`NORM_ACTS`: ``norm -> self.drop -> self.act`` in one ``forward``) get their
+norm's rule with the norm's own statistics: the input is the module's input, and the
+output gradient is the gradient with respect to the norm's affine output, read from the
+input of ``self.drop`` (:func:`gradient_tap`), not the activation's output gradient the
+module's own output would give.  Other norm subclasses with an ``act`` or ``drop`` module
+that is not ``nn.Identity`` get F = 1: where their affine output is cannot be told.
 """
 
 from __future__ import annotations
@@ -82,6 +87,24 @@ RMS_NORMS: dict[str, bool] = {
     "timm.layers.norm.RmsNorm2d": True,
 }
 
+#: timm's norm + dropout + activation modules (exact qualified class name) -> the norm's rule.
+#: Each ``forward`` is ``x = norm(x); x = self.drop(x); x = self.act(x)``: ``self.drop``'s
+#: input is the norm's affine output (``gradient_tap``).
+NORM_ACTS: dict[str, LayerRule] = {
+    "timm.layers.norm_act.BatchNormAct2d": BATCHNORM,
+    "timm.layers.norm_act.SyncBatchNormAct": BATCHNORM,
+    "timm.layers.norm_act.GroupNormAct": GROUPNORM,
+    "timm.layers.norm_act.GroupNorm1Act": GROUPNORM,
+    "timm.layers.norm_act.LayerNormAct": LAYERNORM,
+    "timm.layers.norm_act.LayerNormActFp32": LAYERNORM,
+    "timm.layers.norm_act.LayerNormAct2d": LAYERNORM_CHANNELS_FIRST,
+    "timm.layers.norm_act.LayerNormAct2dFp32": LAYERNORM_CHANNELS_FIRST,
+    "timm.layers.norm_act.RmsNormAct": RMSNORM,
+    "timm.layers.norm_act.RmsNormActFp32": RMSNORM,
+    "timm.layers.norm_act.RmsNormAct2d": RMSNORM_CHANNELS_FIRST,
+    "timm.layers.norm_act.RmsNormAct2dFp32": RMSNORM_CHANNELS_FIRST,
+}
+
 _USER_RULES: dict[type, LayerRule] = {}
 
 
@@ -124,7 +147,7 @@ def check_layers(layers: str) -> str:
     return layers
 
 
-def _own_forward(module: nn.Module, base: type) -> bool:
+def _own_forward(module: nn.Module, base: type[nn.Module]) -> bool:
     """Whether ``module``'s class overrides ``base.forward``."""
     return type(module).forward is not base.forward
 
@@ -137,10 +160,24 @@ def fused_activation(module: nn.Module) -> bool:
                for attr in ("act", "drop"))
 
 
+def gradient_tap(module: nn.Module) -> Optional[nn.Module]:
+    """The submodule whose *input* is ``module``'s affine output, where the module's own
+    output is not (a :data:`NORM_ACTS` module applying dropout or an activation); ``None``
+    where the module's output gradient is its statistic's."""
+    if qualified_name(type(module)) not in NORM_ACTS or not fused_activation(module):
+        return None
+    drop = getattr(module, "drop", None)
+    return drop if isinstance(drop, nn.Module) else None
+
+
 def _builtin_rule(module: nn.Module) -> Optional[LayerRule]:
+    name = qualified_name(type(module))
+    if name in NORM_ACTS:
+        # the norm's statistics, the output gradient read where the norm's output is
+        return NORM_ACTS[name] if not fused_activation(module) or gradient_tap(module) is not None else None
     norm_types = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
     if isinstance(module, norm_types) and fused_activation(module):
-        return None  # normalisation + activation in one module: the output gradient is the activation's
+        return None  # normalisation + activation in one module, affine output unknown: F = 1
     names = {qualified_name(c) for c in type(module).__mro__}
     if names & TRANSPOSED_LINEARS:
         return LINEAR_TRANSPOSED
@@ -152,7 +189,6 @@ def _builtin_rule(module: nn.Module) -> Optional[LayerRule]:
         return BATCHNORM
     if isinstance(module, nn.GroupNorm):
         return GROUPNORM
-    name = qualified_name(type(module))
     if name in RMS_NORMS:
         return RMSNORM_CHANNELS_FIRST if RMS_NORMS[name] else RMSNORM
     if isinstance(module, nn.LayerNorm):

@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator, Optional
+from types import ModuleType
+from typing import ContextManager, Iterator, Optional
 
 from torch import Tensor
 
@@ -91,7 +92,7 @@ class _Beside:
 
     __slots__ = ("_ext", "_reads", "_on", "_off_before")
 
-    def __init__(self, ext, reads: list) -> None:
+    def __init__(self, ext: ModuleType, reads: list[Tensor]) -> None:
         self._ext, self._reads, self._on = ext, reads, False
 
     def __enter__(self) -> None:
@@ -100,13 +101,13 @@ class _Beside:
             self._off_before = getattr(_local, "off", False)
             _local.off = True
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._on:
             _local.off = self._off_before
             self._ext.capture_side_exit()
 
 
-def beside(*reads: Tensor):
+def beside(*reads: Tensor) -> ContextManager[None]:
     """A context running a layer's statistics ops on the side stream with one ordering for
     all of them (instead of one per op), ``reads`` marked as read there.  A no-op (the
     ops then order themselves, or stay on the current stream) when the side stream is

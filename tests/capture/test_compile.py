@@ -85,3 +85,39 @@ def test_graph_breaks_are_the_capture_hooks_only():
     assert 0 < explained.graph_break_count <= 2 * bound
     torch._dynamo.reset()
     assert torch._dynamo.explain(Twins())(torch.randn(2, 3, 6, 6)).graph_break_count == 0
+
+
+class NormActNet(nn.Module):
+    """timm's GroupNormAct with an in-place ReLU: the gradient is tapped at the norm's affine
+    output, between two graph breaks, and the activation then overwrites that tensor."""
+
+    def __init__(self):
+        super().__init__()
+        norm_act = pytest.importorskip("timm.layers.norm_act")
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = norm_act.GroupNormAct(8, num_groups=4)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.norm(self.conv(x)).mean((2, 3)))
+
+
+def test_compiled_norm_act_taps_the_affine_output_as_eager_does():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = NormActNet()
+    with torch.no_grad():
+        base.norm.bias.normal_()  # so the ReLU masks part of the affine output
+    steps = 2
+    xs = [torch.randn(4, 3, 6, 6) for _ in range(steps)]
+    ys = [torch.randint(0, 4, (4,)) for _ in range(steps)]
+    model = copy.deepcopy(base)
+    eager = _train(model, model, steps, xs, ys)
+    model = copy.deepcopy(base)
+    compiled = _train(model, torch.compile(model), steps, xs, ys)
+    assert set(compiled[0][0]) == set(eager[0][0]) == {"conv", "norm", "out"}
+    for n, (S, H) in eager[0][0].items():
+        for g, w in zip(compiled[0][0][n], (S, H)):
+            assert ((g - w).abs().max() / w.abs().max()).item() < 1e-5, n
+    for g, w in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

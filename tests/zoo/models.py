@@ -130,7 +130,7 @@ NOT_LAYER_WEIGHTS = ("pos_embedding", "class_token", "cls_token", "pos_embed", "
 def excluded(model: nn.Module) -> set[int]:
     """ids of the parameters outside the goal: embeddings' tables and the names above."""
     out: set[int] = set()
-    for mname, module in model.named_modules():
+    for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             if isinstance(module, nn.Embedding) or pname in NOT_LAYER_WEIGHTS:
                 out.add(id(p))

@@ -15,7 +15,7 @@ torch ops here.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,17 @@ from .. import streams as _streams
 from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
 
 
-def conv_columns(module: nn.modules.conv._ConvNd) -> int:
+_ConvNd = nn.modules.conv._ConvNd
+
+
+def conv_columns(module: _ConvNd) -> int:
     """``K``: the weight's columns, ``C/g * prod(kernel)``."""
     return (module.in_channels // module.groups) * math.prod(module.kernel_size)
+
+
+def _conv(module: nn.Module) -> _ConvNd:
+    """The module as the convolution :meth:`ConvRule.supports` checked it is (no runtime cost)."""
+    return cast(_ConvNd, module)
 
 
 class ConvRule(LayerRule):
@@ -43,13 +51,17 @@ class ConvRule(LayerRule):
         return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
 
     def slots(self, module: nn.Module) -> list[ParamSlot]:
-        K = conv_columns(module)
+        conv = _conv(module)
+        K = conv_columns(conv)
         out = [ParamSlot("weight", 0, K)]
-        if module.bias is not None:
+        if conv.bias is not None:
             out.append(ParamSlot("bias", K, 1))
         return out
 
-    def input_partial(self, module, x):
+    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
+        return self._input_partial(_conv(module), x)
+
+    def _input_partial(self, module: _ConvNd, x: Tensor) -> tuple[Tensor, float]:
         nd = len(module.kernel_size)
         if x.dim() == nd + 1:  # unbatched input
             x = x.unsqueeze(0)
@@ -64,7 +76,7 @@ class ConvRule(LayerRule):
         return self._taps_nd(module, x, out_size), count
 
     @staticmethod
-    def _kernel_input_sums(module, x: Tensor, out_size: tuple[int, ...]) -> Optional[Tensor]:
+    def _kernel_input_sums(module: _ConvNd, x: Tensor, out_size: tuple[int, ...]) -> Optional[Tensor]:
         ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
         if ext is None:
             return None
@@ -75,7 +87,7 @@ class ConvRule(LayerRule):
         return ext.conv_input_stats(x, ks, st, pads, dl, module.groups, list(out_size), _streams.side())
 
     @staticmethod
-    def _taps_2d(module, x: Tensor) -> Tensor:
+    def _taps_2d(module: _ConvNd, x: Tensor) -> Tensor:
         g, (kh, kw) = module.groups, module.kernel_size
         if module.padding_mode == "zeros":
             # zeros square to zeros: reduce the batch first, then pad the small map
@@ -88,7 +100,7 @@ class ConvRule(LayerRule):
         return taps[0].sum(1)  # (c, ki, kj) order, as the weight
 
     @staticmethod
-    def _taps_nd(module, x: Tensor, out_size: tuple[int, ...]) -> Tensor:
+    def _taps_nd(module: _ConvNd, x: Tensor, out_size: tuple[int, ...]) -> Tensor:
         g = module.groups
         if module.padding_mode == "zeros":
             sq = F.pad(sum_of_squares(x, 0), conv_padding(module))  # (C, *padded)
@@ -103,8 +115,8 @@ class ConvRule(LayerRule):
         assert tuple(taps.shape[1 : 1 + nd]) == tuple(out_size)
         return taps.sum(tuple(range(1, 1 + nd))).reshape(-1)  # (c, k...) order, as the weight
 
-    def output_partial(self, module, s):
-        nd = len(module.kernel_size)
+    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
+        nd = len(_conv(module).kernel_size)
         if s.dim() == nd + 1:
             s = s.unsqueeze(0)
         count = float(s.shape[0] * math.prod(s.shape[2:]))
@@ -113,20 +125,22 @@ class ConvRule(LayerRule):
             return sv, count
         return sum_of_squares(s, (0,) + tuple(range(2, s.dim()))), count
 
-    def finalize(self, module, h, hn, s, sn):
+    def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
+        conv = _conv(module)
         H = h / hn
-        if module.bias is not None:
+        if conv.bias is not None:
             # The ones column of the patch matrix: (B * g * L) / (B * L * K).
-            H = torch.cat([H, H.new_full((1,), module.groups / conv_columns(module))])
+            H = torch.cat([H, H.new_full((1,), conv.groups / conv_columns(conv))])
         return H, s / sn
 
-    def kernel_plan(self, module, h, hn) -> Optional[KernelPlan]:
-        return KernelPlan(0, hn, module.groups / conv_columns(module), module.bias is not None)
+    def kernel_plan(self, module: nn.Module, h: Tensor, hn: float) -> Optional[KernelPlan]:
+        conv = _conv(module)
+        return KernelPlan(0, hn, conv.groups / conv_columns(conv), conv.bias is not None)
 
-    def oracle(self, module, x, s):
+    def oracle(self, module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         from ... import spec
 
-        return spec.conv_stats(module, x, s)
+        return spec.conv_stats(_conv(module), x, s)
 
     def __repr__(self) -> str:
         return f"ConvRule(ndim={self.ndim})"

@@ -6,7 +6,7 @@ flattened input) plus a ones column for the bias; ``S`` one per output feature.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -36,10 +36,12 @@ class LinearRule(LayerRule):
             self.kind = "linear_transposed"
 
     def _in_features(self, module: nn.Module) -> int:
-        return module.weight.shape[0] if self.transposed else module.weight.shape[-1]
+        weight = cast(Tensor, module.weight)  # supports() checked it is a 2-D tensor
+        return weight.shape[0] if self.transposed else weight.shape[-1]
 
     def supports(self, module: nn.Module) -> bool:
-        return isinstance(getattr(module, "weight", None), Tensor) and module.weight.dim() == 2
+        weight = getattr(module, "weight", None)
+        return isinstance(weight, Tensor) and weight.dim() == 2
 
     def slots(self, module: nn.Module) -> list[ParamSlot]:
         k = self._in_features(module)
@@ -48,22 +50,22 @@ class LinearRule(LayerRule):
             out.append(ParamSlot("bias", k, 1))
         return out
 
-    def input_partial(self, module, x):
+    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
         return _last_dim_squares(x)
 
-    def output_partial(self, module, s):
+    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         return _last_dim_squares(s)
 
-    def finalize(self, module, h, hn, s, sn):
+    def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
         H = h / hn
         if getattr(module, "bias", None) is not None:
             H = torch.cat([H, H.new_ones(1)])
         return H, s / sn
 
-    def kernel_plan(self, module, h, hn) -> Optional[KernelPlan]:
+    def kernel_plan(self, module: nn.Module, h: Tensor, hn: float) -> Optional[KernelPlan]:
         return KernelPlan(0, hn, 1.0, getattr(module, "bias", None) is not None)
 
-    def oracle(self, module, x, s):
+    def oracle(self, module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         from ... import spec
 
         return spec.linear_stats(module, x, s)

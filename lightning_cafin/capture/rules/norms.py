@@ -20,7 +20,7 @@ channel dim, strided views included); elsewhere the torch ops.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -44,11 +44,11 @@ class _TwoColumnRule(LayerRule):
             out.append(ParamSlot("bias", 1, 1))
         return out
 
-    def finalize(self, module, h, hn, s, sn):
+    def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
         H = torch.stack([h.square().sum() / hn**2, h.new_tensor(h.numel() / hn**2)])
         return H, s.square() / sn
 
-    def kernel_plan(self, module, h, hn) -> Optional[KernelPlan]:
+    def kernel_plan(self, module: nn.Module, h: Tensor, hn: float) -> Optional[KernelPlan]:
         return KernelPlan(1, hn**2, h.numel() / hn**2, False)
 
 
@@ -61,7 +61,7 @@ class ChannelNormRule(_TwoColumnRule):
     def supports(self, module: nn.Module) -> bool:
         return super().supports(module) and getattr(module, "affine", True)
 
-    def input_partial(self, module, x):
+    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
         sp = math.prod(x.shape[2:])
         # quirk: divided by the squared spatial size
         h = channel_sums(x, 1, False, sp**2) if sp > 0 else None
@@ -70,13 +70,13 @@ class ChannelNormRule(_TwoColumnRule):
         dims = (0,) + tuple(range(2, x.dim()))
         return x.sum(dims, dtype=stat_dtype(x)) / (sp**2), float(x.shape[0])
 
-    def output_partial(self, module, s):
+    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         sv = channel_sums(s, 1, False)
         if sv is not None:
             return sv, float(s.shape[0])
         return s.sum((0,) + tuple(range(2, s.dim())), dtype=stat_dtype(s)), float(s.shape[0])
 
-    def oracle(self, module, x, s):
+    def oracle(self, module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         from ... import spec
 
         return spec.channel_norm_stats(module, x, s)
@@ -101,13 +101,13 @@ class FeatureNormRule(_TwoColumnRule):
         """``t`` as ``(..., N)``: the normalised elements flattened into the last dim."""
         if self.channels_first and t.dim() >= 2:
             t = t.movedim(1, -1)
-        shape = module.weight.shape
+        shape = cast(Tensor, module.weight).shape  # supports() checked it is a tensor
         nd = len(shape)
         if nd != 1 and t.dim() >= nd and tuple(t.shape[t.dim() - nd :]) == tuple(shape):
             t = t.reshape(*t.shape[: t.dim() - nd], -1)
         return t
 
-    def input_partial(self, module, x):
+    def input_partial(self, module: nn.Module, x: Tensor) -> tuple[Tensor, float]:
         x = self._view(module, x)
         # quirk: reduce every dim except dim 1, not the normalised last dim
         dims = [d for d in range(x.dim()) if d != 1]
@@ -117,14 +117,14 @@ class FeatureNormRule(_TwoColumnRule):
             return h, float(x.shape[0])
         return x.sum(dims, dtype=stat_dtype(x)) / (dn**2), float(x.shape[0])
 
-    def output_partial(self, module, s):
+    def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         s = self._view(module, s)
         sv = channel_sums(s, -1, False) if s.dim() >= 2 else None
         if sv is not None:
             return sv, float(s.shape[0])
         return s.sum(tuple(range(s.dim() - 1)), dtype=stat_dtype(s)), float(s.shape[0])
 
-    def oracle(self, module, x, s):
+    def oracle(self, module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         from ... import spec
 
         return spec.layernorm_stats(module, x, s, channels_first=self.channels_first)
