@@ -84,12 +84,14 @@ def optimizer(model):
 def worker(rank, world, port, out, resume):
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     init_gloo(rank, world, port)
+    mesh = init_device_mesh("cpu", (world,))  # on the CPU even where a GPU is visible
     model = network()
-    fully_shard(model.fc)
-    fully_shard(model)
+    fully_shard(model.fc, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = optimizer(model)
     start = 0
     if resume:

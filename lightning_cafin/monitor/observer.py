@@ -68,7 +68,9 @@ class OptimizerMonitor:
         self.preconditioner = PreconditionerHealth(histogram_layers)
         self.shadow_due = False
         self._shadow_results: list[dict[tuple[Optional[str], str], float]] = []
-        self._step_mean, self._step_max = MeanMetric(), MaxMetric()
+        # this process's own figures: no collective at compute() (under NCCL, a sync of these CPU
+        # states would fail, and the dashboard must add no traffic to a data-parallel run)
+        self._step_mean, self._step_max = MeanMetric(sync_on_compute=False), MaxMetric(sync_on_compute=False)
         self._snapshot: Optional[Snapshot] = None
         self._live_memory: Optional[AllocatedMemory] = None
         self._baseline: Optional[StepBackend] = None

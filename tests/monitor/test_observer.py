@@ -134,3 +134,35 @@ def test_shadow_step_reports_baseline_and_memory_as_their_difference():
     live, base = r["live", "cafin/update_alloc_mb"], r["baseline", "cafin/update_alloc_mb"]
     assert live >= 0 and base > 0 and r[None, "cafin/memory_saved_mb"] == pytest.approx(base - live)
     assert r[None, "cafin/divergence_rel"] < 1e-6 and r["baseline", "cafin/step_ms"] > 0
+
+
+def _report_in_a_process_group(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_cafin.bench.collectives import CountCollectives
+    from tests.distributed_runs import init_gloo
+
+    init_gloo(rank, 1, port)
+    model, opt = model_and_opt(TCov=2)
+    monitor = OptimizerMonitor(opt)
+    opt.register_step_observer(monitor)
+    for _ in range(3):
+        step(model, opt)
+    with CountCollectives() as counted:
+        report = monitor.report()
+    torch.save({"ops": counted.ops, "step_ms": report["live", "cafin/step_ms"]}, os.path.join(out, "report.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_report_under_torch_distributed_sends_no_collective(tmp_path):
+    """The dashboard reports this process's figures: under NCCL a metric sync of its CPU
+    states would fail, and it must add nothing to a data-parallel run's traffic."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed_runs import free_port
+
+    mp.spawn(_report_in_a_process_group, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    result = torch.load(tmp_path / "report.pt", weights_only=True)
+    assert result["ops"] == [] and result["step_ms"] > 0
