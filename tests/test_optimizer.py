@@ -3,7 +3,6 @@ in-place networks, hooks, checkpoints, accumulation, closures and the loss-scale
 
 import copy
 import io
-import warnings
 
 import pytest
 import torch
