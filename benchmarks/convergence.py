@@ -16,9 +16,10 @@ over seeds) and the time to a target accuracy.
 Each finished run is appended to ``<out>/runs.jsonl`` at once (one line a run: one file
 however many runs, and nothing lost when a study is cut short), so an interrupted study
 resumes with ``--resume`` and one split over several invocations is summarised with
-``--report-only`` (append the other invocations' lines to one ``runs.jsonl`` first).  The summary is ``convergence.json`` (with provenance), ``.csv`` and
-``.png``.  If fused and reference AdaFisher do not agree within seed noise the script
-says so and exits with status 1: that is a defect to find, not a result to report.
+``--report-only`` (append the other invocations' lines to one ``runs.jsonl`` first).
+The summary is ``convergence.json`` (with provenance), ``.csv`` and ``.png``.  If fused
+and reference AdaFisher do not agree within seed noise the script says so and exits
+with status 1: that is a defect to find, not a result to report.
 """
 
 from __future__ import annotations

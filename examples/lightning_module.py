@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger

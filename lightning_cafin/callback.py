@@ -21,11 +21,12 @@ from typing import Any, Optional, Sequence, Union
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.hooks import RemovableHandle
 
 from .backends import BACKEND_NAMES
 from .binding import FSDP1_REFUSED
 from .monitor.hparams import optimizer_hparams
-from .monitor.observer import OptimizerMonitor
+from .monitor.observer import OptimizerMonitor, Samples
 from .monitor.shadow import Divergence
 from .monitor.tags import TEXT_TAG, custom_scalars_layout
 from .monitor.writer import DashboardWriter
@@ -89,7 +90,7 @@ class CAFINCallback(Callback):
         self.on_divergence = on_divergence
         self.histogram_layers = histogram_layers if isinstance(histogram_layers, int) else list(histogram_layers)
         self._monitors: list[OptimizerMonitor] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._watched: tuple[int, ...] = ()
         self._writer: Optional[DashboardWriter] = None
         self._layout_written: set[int] = set()
@@ -178,7 +179,7 @@ class CAFINCallback(Callback):
         if not self._monitors or self._writer is None or not self._should_log(trainer):
             return
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        samples: dict = {}
+        samples: Samples = {}
         for m in self._monitors:
             samples.update(m.report())
         self._writer.scalars(samples, step)

@@ -5,9 +5,10 @@ where the host must know it; on a capture step (every ``TCov`` steps, ``schedule
 turn the statistics the hooks gathered into new layer factors (``capture/``); then let
 the dispatcher (``backends/dispatch.py``) step every parameter with the chosen backend
 (``reference``, ``foreach``, ``fused``) or, for the tensors it cannot take, the fallback.
-The layers, their hooks and factors belong to the binding (``binding.py``); the
-counters and warnings to ``health.py``; the observers a monitor registers to
-``observers.py``.  The optimizer never imports Lightning.
+The layers, their hooks and factors belong to the binding (``binding.py``), and
+``bind()`` / ``unbind()`` and the observer registration to ``attachment.py``; the
+counters and warnings to ``health.py``; what tools read to ``readout.py``; the
+observers a monitor registers to ``observers.py``.  The optimizer never imports Lightning.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from . import state_format
 from ._validation import check_hyperparameters, checked_param_group, reject_unknown_kwargs
+from .attachment import Attachment
 from .backends import BACKEND_NAMES, StepBackend, StepHyper, make_backend
 from .backends.dispatch import GroupPlan, StepDispatcher
 from .backends.foreach import ForeachBackend
 from .backends.state import ensure_state
-from .binding import LayerBinding, LayerFactors, offered_model, register_model_provider, warn_if_nothing_bound
+from .binding import LayerBinding, LayerFactors, offered_model, register_model_provider
 from .capture import streams as capture_streams
 from .capture.distributed import StatisticsReduction
 from .capture.factors import update_factors
@@ -46,7 +47,7 @@ _KNOWN_ARGS = ["params", "lr", "beta", "gamma", "Lambda", "TCov", "weight_decay"
 Params = Union[nn.Module, Iterable[Tensor], Iterable[dict]]
 
 
-class _AdaFisherBase(Readout, Optimizer):
+class _AdaFisherBase(Attachment, Readout, Optimizer):
     """Shared machinery of AdaFisher and AdaFisherW (they differ only in weight decay)."""
 
     _decoupled = False
@@ -228,63 +229,16 @@ class _AdaFisherBase(Readout, Optimizer):
             )
         return late
 
-    # ------------------------------------------------------------ backend, binding
+    # ------------------------------------------------------------------ backend
     def set_backend(self, backend: Union[str, StepBackend]) -> None:
         """Switch the step implementation (a name, or a ``StepBackend``); state and factors carry over."""
         if not isinstance(backend, (str, StepBackend)):
             raise TypeError(f"backend must be one of {BACKEND_NAMES} or a StepBackend, got {type(backend).__name__}")
         self._dispatch.set_backend(make_backend(backend) if isinstance(backend, str) else backend)
 
-    def bind(self, model: nn.Module, *, warn_on_takeover: bool = True) -> "_AdaFisherBase":
-        """Install the factor-capture hooks on ``model``'s supported layers.
-
-        Idempotent: binding again (or binding another AdaFisher to the same model) never
-        stacks hooks; each module keeps one hook, owned by the latest binder (with a
-        warning when the previous owner is still alive, unless ``warn_on_takeover=False``).
-        """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"bind(model) needs a torch.nn.Module, got {type(model).__name__}")
-        self.binding.bind(model, self._all_params(), warn_on_takeover)
-        self._paired()
-        warn_if_nothing_bound(self.binding, model)
-        return self
-
-    def unbind(self) -> None:
-        """Remove every hook this optimizer installed; its factors are kept for a later bind."""
-        self.binding.unbind()
-        self._dispatch.invalidate()
-
-    @property
-    def is_bound(self) -> bool:
-        return self.binding.model is not None
-
-    @property
-    def bound_model(self) -> Optional[nn.Module]:
-        """The model whose layers feed the factors (None when unbound)."""
-        return self.binding.model
-
-    def _paired(self) -> None:
-        """The pairing changed: plan again, and summarise again at the next step."""
-        self._dispatch.invalidate()
-        self._summary = None
-
-    def _all_params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
     def hyper(self, group: dict) -> StepHyper:
         """The update's hyper-parameters for one param group."""
         return StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
-
-    # --------------------------------------------------------------- observers
-    def register_step_observer(self, observer: StepObserver) -> RemovableHandle:
-        """Call ``observer.before_update(opt, found_inf)`` / ``after_update(opt, found_inf)`` around
-        every applied update (see ``observers.py``); remove it with the returned handle."""
-        return self._observers.register(observer)
-
-    add_step_observer = register_step_observer
-
-    def remove_step_observer(self, observer: StepObserver) -> None:
-        self._observers.remove(observer)
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

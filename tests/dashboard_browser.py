@@ -65,9 +65,9 @@ def tensorboard(logdir: str, timeout_s: float = 120.0) -> Iterator[str]:
             try:
                 urllib.request.urlopen(url + "/data/runs", timeout=2).read()
                 break
-            except OSError:
+            except OSError as err:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"tensorboard did not start: {proc.stderr.read().decode()[-2000:]}")
+                    raise RuntimeError(f"tensorboard did not start: {proc.stderr.read().decode()[-2000:]}") from err
                 time.sleep(0.5)
         yield url
     finally:

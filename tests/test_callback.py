@@ -137,17 +137,15 @@ class Faulty(ForeachBackend):
 
 
 def test_injected_fault_is_seen_warned_raised_or_fallen_back(tmp_path):
+    def faulty_opt(self):
+        opt = Module.configure_optimizers(self)
+        opt.set_backend(Faulty())
+        return opt
+
     for mode in ("warn", "raise", "fallback"):
         cb = CAFINCallback(backend=None, divergence_every_n_steps=3, on_divergence=mode)
         model = Module()
         t = trainer(tmp_path / mode, cb, max_steps=7)
-        orig = Module.configure_optimizers
-
-        def faulty_opt(self):
-            opt = orig(self)
-            opt.set_backend(Faulty())
-            return opt
-
         model.configure_optimizers = faulty_opt.__get__(model)
         if mode == "raise":
             with pytest.raises(DivergenceError, match="diverged from the reference baseline"):

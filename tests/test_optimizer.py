@@ -3,7 +3,6 @@ in-place networks, hooks, checkpoints, accumulation, closures and the loss-scale
 
 import copy
 import io
-import warnings
 
 import pytest
 import torch
@@ -280,6 +279,11 @@ def plain_net():
     )  # (B, 4*6, 6) after flatten: LayerNorm over 6, Linear on a 3-D input
 
 
+def backward_on_a_batch(model):
+    """One forward and backward of ``plain_net`` on a fresh random batch (gradients accumulate)."""
+    F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
+
+
 def test_accumulated_micro_batches_equal_one_big_batch():
     x, y = torch.randn(16, 2, 6, 6), torch.randn(16, 24, 3)
     big, small = plain_net(), plain_net()
@@ -320,11 +324,10 @@ def test_closure_runs_with_grad_and_returns_the_loss():
 def test_found_inf_step_changes_nothing():
     model = plain_net()
     opt = AdaFisher(model, TCov=1)
-    run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
-    run()
+    backward_on_a_batch(model)
     opt.step()
     before = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    run()
+    backward_on_a_batch(model)
     opt.found_inf, opt.grad_scale = torch.tensor(1.0), torch.tensor(8.0)
     opt.step()
     del opt.found_inf, opt.grad_scale
@@ -370,12 +373,11 @@ def test_bf16_autocast_keeps_float32_statistics():
 def test_nan_statistics_never_enter_the_factors():
     model = plain_net()
     opt = AdaFisher(model, TCov=1)
-    run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
-    run()
+    backward_on_a_batch(model)
     opt.step()
     kept = opt.binding.captures["4"].S.clone()
     opt.zero_grad()
-    run()
+    backward_on_a_batch(model)
     opt.binding.captures["4"].pending.s[0] = float("nan")
     with pytest.warns(UserWarning, match="non-finite statistics for '4'"):
         opt.step()
@@ -390,12 +392,11 @@ def test_unbound_optimizer_binds_to_an_offered_model_and_captures_next_step():
     offer_model(model)
     try:
         opt = AdaFisher(model.parameters(), TCov=100)
-        run = lambda: F.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 24, 3)).backward()
-        run()
+        backward_on_a_batch(model)
         opt.step()  # binds now; its hooks missed this forward, so the next step captures
         assert opt.is_bound and all(c.S is None for c in opt.binding.captures.values())
         opt.zero_grad()
-        run()
+        backward_on_a_batch(model)
         opt.step()
         assert opt.health["capture_steps"] == 1 and all(c.S is not None for c in opt.binding.captures.values())
     finally:

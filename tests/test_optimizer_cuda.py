@@ -70,15 +70,6 @@ def test_checkpoint_loads_onto_another_device(direction):
 # ------------------------------------------------------- the fused path, end to end
 
 
-@pytest.fixture(scope="module")
-def fused_ok():
-    from lightning_cafin.kernels import can_run_fused
-
-    ok, why = can_run_fused()
-    if not ok:
-        pytest.skip(why)
-
-
 def test_tensor_lr_with_step_lr_matches_float_lr(fused_ok):
     """A tensor lr (filled in place by the scheduler) gives the float-lr run bit for bit."""
     out = []

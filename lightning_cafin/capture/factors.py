@@ -120,8 +120,11 @@ class CaptureReport:
         """Whether every verdict is known on the host already (reading ``non_finite`` would not wait)."""
         return self._device is None
 
-    def _decided(self, name: str, nan: Optional[bool]) -> None:
-        """Record a torch-path decision (nan True/False) or a kernel layer (None)."""
+    def record(self, name: str, nan: Optional[bool]) -> None:
+        """Add layer ``name``'s verdict, in capture order: ``nan=False`` its factors were updated,
+        ``nan=True`` its statistics held NaN and it kept its factors (both decided on the host,
+        by the torch path), ``nan=None`` the kernel decides it on the device (the flags
+        ``update_factors`` attaches say which)."""
         self._order.append(name)
         if nan is True:
             self._non_finite.append(name)
@@ -209,13 +212,13 @@ def update_factors(
         plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, pending) else None
         if plan is not None and _kernels.ext_for(h) is not None:
             jobs.append(_kernel_job(cap, pending, plan, grad_scale))
-            report._decided(cap.name, None)
+            report.record(cap.name, None)
             continue
         if grad_scale is not None and grad_scale != 1.0:
             s = s / grad_scale**cap.rule.s_scale_power
         H_raw, S_raw = cap.rule.finalize(cap.module, h, pending.hn, s, pending.sn)
         if torch.isnan(H_raw).any() or torch.isnan(S_raw).any():
-            report._decided(cap.name, True)
+            report.record(cap.name, True)
             continue
         device = cap.device
         H_hat = normalise_(H_raw.to(device=device, dtype=torch.float32 if H_raw.dtype != torch.float64 else H_raw.dtype))
@@ -226,7 +229,7 @@ def update_factors(
             cap.S = torch.ones_like(S_hat)
         fold_(cap.H, H_hat, gamma)
         fold_(cap.S, S_hat, gamma)
-        report._decided(cap.name, False)
+        report.record(cap.name, False)
     if jobs:
         _launch(jobs, gamma, report)
     return report

@@ -13,7 +13,7 @@ an input's storage (in-place results and views) are not new memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -22,6 +22,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _CUDA_COUNTER = "allocated_bytes.all.allocated"
+
+
+def _new_storages(args: tuple[Any, ...], kwargs: Optional[dict[str, Any]], out: Any) -> Iterator[torch.UntypedStorage]:
+    """The non-empty storages of an operator's outputs that none of its inputs holds, each once
+    (an in-place result or a view shares an input's storage: not new memory)."""
+    seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes() > 0:
+                seen.add(storage.data_ptr())
+                yield storage
 
 
 class _CpuAllocations(TorchDispatchMode):
@@ -34,15 +46,7 @@ class _CpuAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func: Callable[..., Any], types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs and storage.nbytes() > 0:
-                    self.bytes += storage.nbytes()
-                    inputs.add(storage.data_ptr())
+        self.bytes += sum(storage.nbytes() for storage in _new_storages(args, kwargs, out))
         return out
 
 
@@ -100,16 +104,8 @@ class _CpuPeak(TorchDispatchMode):
     def __torch_dispatch__(self, func: Callable[..., Any], types: Sequence[type], args: tuple[Any, ...] = (),
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
         self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs and storage.nbytes() > 0:
-                    self.live.append((StorageWeakRef(storage), storage.nbytes()))
-                    inputs.add(storage.data_ptr())
+        self.live.extend((StorageWeakRef(storage), storage.nbytes()) for storage in _new_storages(args, kwargs, out))
         self.peak = max(self.peak, sum(n for _, n in self.live))
         return out
 

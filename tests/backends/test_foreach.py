@@ -1,7 +1,5 @@
 """``foreach`` against the ``reference`` oracle: one step on random inputs, then whole training runs."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +7,7 @@ import torch.nn.functional as F
 from lightning_cafin import AdaFisher, AdaFisherW
 from lightning_cafin.backends import FactorView, ForeachBackend, ReferenceBackend, StepBatch, StepHyper
 
-from ..nets import EveryLayer, every_layer_batch
+from ..nets import EveryLayer
 
 
 def random_batch(dtype, factored=True):
@@ -72,7 +70,7 @@ def test_fisher_cache_follows_factor_updates():
     hyper = StepHyper(0.01, 0.9, 1e-3, 0.0, False)
     ref, fe = ReferenceBackend(), ForeachBackend()
     cache = fe.prepare(other)  # F is cached across steps, as the dispatcher keeps it
-    for step in range(3):
+    for _ in range(3):
         ref.step(batch, hyper)
         fe.step(other, hyper, prepared=cache)
         batch.views[0].S.mul_(1.7)  # factors rewritten in place, as on a capture step

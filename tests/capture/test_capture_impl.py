@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cafin.capture import factors as factors_mod
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture.factors import CaptureReport, update_factors
 from lightning_cafin.capture.hooks import LayerCapture, PendingStats
@@ -51,9 +50,9 @@ def test_report_names_keep_capture_order_and_compare_as_lists():
     rep = CaptureReport(["a"], ["z"], ["b"])
     assert rep.updated == ["a"] and rep.non_finite == ["b"] and rep.not_fired == ["z"]
     rep = CaptureReport()
-    rep._decided("x", False)
-    rep._decided("y", True)
-    rep._decided("w", False)
+    rep.record("x", False)
+    rep.record("y", True)
+    rep.record("w", False)
     assert list(rep.updated) == ["x", "w"] and len(rep.non_finite) == 1 and rep.non_finite[0] == "y"
     assert repr(rep.updated) == "['x', 'w']"
 

@@ -9,7 +9,6 @@ on a GPU (``cuda``) the real kernels are compared with the float64 rules.
 
 from __future__ import annotations
 
-import math
 import types
 
 import pytest

@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from lightning_cafin.kernels import loader, toolchain, wheel_toolkit
 
-from .fakes import fake_cuda_home, hide_system_toolkit
+from .fakes import fake_cuda_home, hide_system_toolkit, torch_built_for
 
 
 @pytest.fixture
@@ -25,8 +24,7 @@ def fake_toolchain(monkeypatch, tmp_path):
     """A CUDA 13.0 torch, a matching fake nvcc, ninja present, 9.0 arch list."""
     if sys.platform.startswith("win"):
         pytest.skip("the fake nvcc is a POSIX shell script")
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    torch_built_for(monkeypatch, "13.0")
     home = fake_cuda_home(tmp_path, "13.0")
     monkeypatch.setenv("CUDA_HOME", str(home))
     monkeypatch.setattr(toolchain, "ninja_available", lambda: True)

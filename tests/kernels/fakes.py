@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.utils import cpp_extension
@@ -40,10 +41,15 @@ def no_real_build(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", forbidden)
 
 
+def torch_built_for(monkeypatch, cuda: Optional[str]) -> None:
+    """torch as a build for CUDA ``cuda`` (``None``: CPU-only), never a ROCm one."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+
+
 def hide_system_toolkit(monkeypatch) -> None:
     """A CUDA 13 torch on a machine with no system toolkit anywhere the loader looks."""
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    torch_built_for(monkeypatch, "13.0")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)

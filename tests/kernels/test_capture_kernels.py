@@ -36,12 +36,9 @@ LOWP = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def ext():
-    from lightning_cafin.kernels import can_run_fused, load_extension
+def ext(fused_ok):
+    from lightning_cafin.kernels import load_extension
 
-    ok, why = can_run_fused()
-    if not ok:
-        pytest.skip(why)
     mod = load_extension()
     if not hasattr(mod, "channel_stats"):
         pytest.fail("the extension was built without the capture kernels")

@@ -21,13 +21,9 @@ RTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def fused():
+def fused(fused_ok):
     from lightning_cafin.backends.fused import FusedBackend
-    from lightning_cafin.kernels import can_run_fused
 
-    ok, why = can_run_fused()
-    if not ok:
-        pytest.skip(why)
     return FusedBackend()
 
 

@@ -33,12 +33,9 @@ LOWP_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 @pytest.fixture(scope="module")
-def ext():
-    from lightning_cafin.kernels import can_run_fused, load_extension
+def ext(fused_ok):
+    from lightning_cafin.kernels import load_extension
 
-    ok, why = can_run_fused()
-    if not ok:
-        pytest.skip(why)
     return load_extension()
 
 

@@ -16,7 +16,7 @@ from torch.utils import cpp_extension
 from lightning_cafin import kernels
 from lightning_cafin.kernels import loader, toolchain
 
-from .fakes import no_real_build
+from .fakes import no_real_build, torch_built_for
 
 pytestmark = pytest.mark.usefixtures("fresh_loader")
 
@@ -48,8 +48,7 @@ def test_unexpected_exception_in_checks_never_raises(monkeypatch):
 
 def test_cli_reports_and_fails_without_toolchain(monkeypatch, capsys):
     no_real_build(monkeypatch)
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    torch_built_for(monkeypatch, None)
     assert loader.main([]) == 1
     assert "CPU-only" in capsys.readouterr().out
 

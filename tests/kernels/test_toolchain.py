@@ -11,15 +11,14 @@ from torch.utils import cpp_extension
 from lightning_cafin import kernels
 from lightning_cafin.kernels import build_cache, toolchain, wheel_toolkit
 
-from .fakes import fake_cuda_home, hide_system_toolkit, no_real_build
+from .fakes import fake_cuda_home, hide_system_toolkit, no_real_build, torch_built_for
 
 pytestmark = pytest.mark.usefixtures("fresh_loader")
 
 
 def test_cpu_only_torch_is_named(monkeypatch):
     no_real_build(monkeypatch)
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    torch_built_for(monkeypatch, None)
     info = kernels.extension_info()
     assert not info.loaded
     assert "CPU-only" in info.reason
@@ -38,17 +37,22 @@ def test_missing_cuda_home_is_named(monkeypatch):
     assert "CUDA_HOME" in info.reason and "nvcc" in info.reason
 
 
+def why_not_loaded(monkeypatch, cuda_home) -> str:
+    """Why the loader turns down a CUDA 13 torch with ``CUDA_HOME=cuda_home`` (no real build is reached)."""
+    no_real_build(monkeypatch)
+    torch_built_for(monkeypatch, "13.0")
+    monkeypatch.setenv("CUDA_HOME", str(cuda_home))
+    info = kernels.extension_info()
+    assert not info.loaded
+    return info.reason
+
+
 def test_incomplete_toolkit_is_named(monkeypatch, tmp_path):
     if sys.platform.startswith("win"):
         pytest.skip("the fake nvcc is a POSIX shell script")
-    no_real_build(monkeypatch)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
     home = fake_cuda_home(tmp_path, "13.0", headers=False)
-    monkeypatch.setenv("CUDA_HOME", str(home))
-    info = kernels.extension_info()
-    assert not info.loaded
-    assert "not a complete CUDA toolkit" in info.reason and str(home) in info.reason
+    reason = why_not_loaded(monkeypatch, home)
+    assert "not a complete CUDA toolkit" in reason and str(home) in reason
 
 
 def test_torch_guess_from_an_nvcc_wrapper_is_not_trusted(monkeypatch, tmp_path):
@@ -63,8 +67,7 @@ def test_torch_guess_from_an_nvcc_wrapper_is_not_trusted(monkeypatch, tmp_path):
     monkeypatch.setattr(toolchain, "DEFAULT_CUDA_HOME", str(real))
     assert toolchain.find_cuda_home() == (str(real), str(real))
     # And the build runs against the checked toolkit, torch's global restored after.
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    torch_built_for(monkeypatch, "13.0")
     monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     seen = {}
@@ -80,29 +83,19 @@ def test_torch_guess_from_an_nvcc_wrapper_is_not_trusted(monkeypatch, tmp_path):
 
 
 def test_missing_nvcc_is_named(monkeypatch, tmp_path):
-    no_real_build(monkeypatch)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
     empty = tmp_path / "no-toolkit"
     empty.mkdir()
-    monkeypatch.setenv("CUDA_HOME", str(empty))
-    info = kernels.extension_info()
-    assert not info.loaded
-    assert "nvcc not found" in info.reason and str(empty) in info.reason
+    reason = why_not_loaded(monkeypatch, empty)
+    assert "nvcc not found" in reason and str(empty) in reason
 
 
 def test_cuda_major_mismatch_is_named(monkeypatch, tmp_path):
     if sys.platform.startswith("win"):
         pytest.skip("the fake nvcc is a POSIX shell script")
-    no_real_build(monkeypatch)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setenv("CUDA_HOME", str(fake_cuda_home(tmp_path, "12.4")))
     monkeypatch.setattr(toolchain, "ninja_available", lambda: True)
-    info = kernels.extension_info()
-    assert not info.loaded
-    assert "mismatch" in info.reason
-    assert "12.4" in info.reason and "13.0" in info.reason
+    reason = why_not_loaded(monkeypatch, fake_cuda_home(tmp_path, "12.4"))
+    assert "mismatch" in reason
+    assert "12.4" in reason and "13.0" in reason
 
 
 def test_missing_ninja_is_named(monkeypatch, fake_toolchain):
