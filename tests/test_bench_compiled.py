@@ -53,6 +53,8 @@ def test_config_is_checked_and_the_default_spans_whole_capture_periods():
 def test_selection():
     assert bench.COMPILED in bench.parse_only(None) and bench.COMPILED not in bench.parse_only(None, quick=True)
     assert bench.parse_only("compiled", quick=True) == {"compiled"}
+    assert bench.parse_only("compiled:gpt") == {"compiled:gpt"} and "compiled:resnet18" in bench.parse_only(None)
+    assert not {"compiled:gpt", "compiled:resnet18"} & bench.parse_only(None, quick=True)
 
 
 def test_quick_compiled_run_end_to_end(tmp_path, capsys):

@@ -63,14 +63,19 @@ __all__ = ["CALLBACK", "COMPILED", "MATRIX_WORKLOADS", "TABLE_WORKLOADS", "Resul
 def parse_only(text: Optional[str], quick: bool = False) -> set[str]:
     """``--only``'s comma list, checked against the workloads the parts know (none given:
     all of them, less the compiled step in a ``quick`` run)."""
-    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS) | {CALLBACK, COMPILED}
+    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS) | {CALLBACK, COMPILED} | set(compiled_names(COMPILED_WORKLOADS))
     if not text:
-        return known - {COMPILED} if quick else known
+        return known - {COMPILED, *compiled_names(COMPILED_WORKLOADS)} if quick else known
     names = {n.strip() for n in text.split(",") if n.strip()}
     unknown = names - known
     if unknown or not names:
         raise SystemExit(f"--only: unknown workload(s) {sorted(unknown)}; choose from {', '.join(sorted(known))}")
     return names
+
+
+def compiled_names(names: tuple[str, ...]) -> list[str]:
+    """``compiled:<workload>``: one workload of the compiled step (``compiled`` picks them all)."""
+    return [f"{COMPILED}:{n}" for n in names]
 
 
 def run_table(only: set[str], device: torch.device, quick: bool, reps: int, flat: Optional[float]) -> list[Result]:
@@ -117,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", default=None,
                     help=f"comma list of workloads: table {','.join(TABLE_WORKLOADS)}; matrix {','.join(MATRIX_WORKLOADS)} "
                          f"(resnet18 is in both); {CALLBACK} (the callback's cost); {COMPILED} (a compiled train step "
-                         f"on {', '.join(COMPILED_WORKLOADS)})")
+                         f"on {', '.join(COMPILED_WORKLOADS)}; or one of {', '.join(compiled_names(COMPILED_WORKLOADS))})")
     ap.add_argument("--matrix-only", action="store_true",
                     help="skip the optimizer-step table, the callback and the compiled step; run only the matrix")
     args = ap.parse_args(argv)
@@ -145,8 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"== callback: {wl.description} in a Lightning Trainer on {device}", flush=True)
             callback = measure_callback(wl, device, CallbackConfig.quick() if quick else CallbackConfig())
         compiled = None
-        if COMPILED in only and not args.matrix_only:
-            compiled = run_compiled(list(COMPILED_WORKLOADS), workloads(device, quick), device,
+        compiled_wls = [n for n in COMPILED_WORKLOADS if {COMPILED, f"{COMPILED}:{n}"} & only]
+        if compiled_wls and not args.matrix_only:
+            compiled = run_compiled(compiled_wls, workloads(device, quick), device,
                                     CompiledConfig.quick() if quick else CompiledConfig(),
                                     log=lambda line: print(line, flush=True))
     finally:
