@@ -4,7 +4,7 @@
     python benchmarks/results_readme.py --check    # exit 1 if the README is not what the files say
 
 Inputs: the benchmark's JSON (``python -m lightning_cafin.bench``: the optimizer-step table, the
-workload matrix and the callback's cost, each rendered when present) and the convergence
+workload matrix, the callback's cost and the compiled train step, each rendered when present) and the convergence
 study's ``convergence.json`` (``benchmarks/convergence.py``).  A file whose ``provenance``
 block lacks any of command, commit, machine, torch or date is refused: a figure without
 its origin does not go into the README.
@@ -155,6 +155,45 @@ def callback_section(path: Path) -> str:
     return "\n".join(lines)
 
 
+def compiled_section(path: Path) -> str:
+    """The compiled train step (``python -m lightning_cafin.bench --only compiled``), or a note that the file lacks it."""
+    data = load_measured(path)
+    title = "### A compiled train step: AdaFisher at TCov=100 against fused Adam(W), both under `torch.compile`"
+    r = data.get("compiled")
+    if not r:
+        return "\n".join([title, "", f"Not measured yet: `{_rel(path)}` has no `compiled` entry (run "
+                          "`python -m lightning_cafin.bench --only compiled` on a GPU and merge its `compiled` "
+                          "entry, or re-run the whole bench)."])
+    cfg = r["config"]
+
+    def ms(sp: dict) -> str:
+        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+
+    lines = [title, "",
+             f"Per workload, two copies of the same seeded model, each `torch.compile(model)` ({cfg['backend']}), "
+             f"one trained by AdaFisher (TCov {cfg['TCov']}, its resolved backend), one by torch's fused Adam/AdamW; "
+             f"{cfg['warmup']} warm-up steps each (compilation and forced capture steps), then back-to-back train "
+             f"steps in alternating blocks of {cfg['block']} ({cfg['blocks']} per variant, captures at their real "
+             "frequency). The ratio is total time over total time; the per-block ratio is the median of the paired "
+             "blocks.", "",
+             "| workload | figure | value | goal | met |", "|---|---|---|---|---|"]
+    for name, w in r["workloads"].items():
+        for goal in w["goals"]:
+            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {_met(goal)} |")
+    lines += ["", "| workload | Adam(W) ms/step | AdaFisher ms/step | per-block ratio | compile s (Adam / AdaFisher) "
+              "| graphs (Adam / AdaFisher) |", "|---|---|---|---|---|---|"]
+    for name, w in r["workloads"].items():
+        c = w["compile"]
+        lines.append(f"| {name} | {ms(w['adam_ms'])} | {ms(w['adafisher_ms'])} | "
+                     f"{w['block_ratio']['median']:.3f}x [{w['block_ratio']['p10']:.3f}, {w['block_ratio']['p90']:.3f}] | "
+                     f"{c['adam']['seconds']:.0f} / {c['adafisher']['seconds']:.0f} | "
+                     f"{c['adam']['graphs']} / {c['adafisher']['graphs']} |")
+    lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['optimizer']} [{w['backend']}] vs "
+                                          f"{w['baseline']})" for n, w in r["workloads"].items()) + ".",
+              "", _source(path, data["provenance"])]
+    return "\n".join(lines)
+
+
 def convergence_section(path: Path) -> str:
     data = load_measured(path)
     cfg = data["config"]
@@ -188,7 +227,7 @@ def results_section(bench: Path, convergence: Path) -> str:
     matrix = matrix_section(bench)
     if matrix is not None:
         parts += [matrix, ""]
-    parts += [callback_section(bench), ""]
+    parts += [callback_section(bench), "", compiled_section(bench), ""]
     if convergence.is_file():
         parts.append(convergence_section(convergence))
     else:

@@ -67,6 +67,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         figures = [g["figure"] for g in wl["goals"]]
         assert len(figures) == 8 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
+    assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
     out = capsys.readouterr().out

@@ -14,10 +14,15 @@ Three parts, all written to ``bench.json`` (with the run's provenance) in ``--ou
 * the callback's cost (``callback_overhead.py``, ``--only callback``): a Lightning training
   step of the CIFAR ResNet-18 with ``CAFINCallback()`` and its TensorBoard dashboard
   against the same step with AdaFisher bound to the model directly, interleaved fits, and
-  the dashboard's host syncs on steps that do not log (``callback``).
+  the dashboard's host syncs on steps that do not log (``callback``);
+* a compiled train step (``compiled.py``, ``--only compiled``): ``torch.compile(model)`` with
+  AdaFisher at TCov=100 against fused Adam(W) on the matrix's resnet18 and gpt workloads,
+  interleaved blocks, compile time and graph breaks (``compiled``).
 
 ``--quick`` shrinks everything so that CI runs it on a CPU; ``--matrix-only`` skips the
-optimizer-step table and the callback; ``--only`` picks workloads by name.
+optimizer-step table, the callback and the compiled step; ``--only`` picks workloads by
+name.  A ``--quick`` run leaves the compiled step out unless ``--only`` names it (compiling
+takes a while even on the CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .. import AdaFisher, AdaFisherW
 from ..models import ResNet18, TransformerClassifier
 from ..provenance import provenance
 from .callback_overhead import CallbackConfig, callback_table, measure_callback
+from .compiled import COMPILED_WORKLOADS, CompiledConfig, compiled_table, run_compiled
 from .matrix import MatrixConfig, detail_table, goals_table, run_matrix
 from .optimizer_step import Result, bench_flat, bench_model, plot, ratios, state_bytes, table, variants
 from .timing import extra_ms, median_ms
@@ -47,21 +53,29 @@ from .workloads import workloads
 TABLE_WORKLOADS = ("resnet18", "transformer", "flat")
 #: The callback's cost (on the matrix's resnet18 workload).
 CALLBACK = "callback"
+#: The compiled train step (on the matrix's workloads of ``compiled.COMPILED_WORKLOADS``).
+COMPILED = "compiled"
 
-__all__ = ["CALLBACK", "MATRIX_WORKLOADS", "TABLE_WORKLOADS", "Result", "bench_flat", "bench_model", "extra_ms", "main",
+__all__ = ["CALLBACK", "COMPILED", "MATRIX_WORKLOADS", "TABLE_WORKLOADS", "Result", "bench_flat", "bench_model", "extra_ms", "main",
            "median_ms", "ratios", "state_bytes", "table", "variants"]
 
 
-def parse_only(text: Optional[str]) -> set[str]:
-    """``--only``'s comma list, checked against the workloads both parts know."""
-    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS) | {CALLBACK}
+def parse_only(text: Optional[str], quick: bool = False) -> set[str]:
+    """``--only``'s comma list, checked against the workloads the parts know (none given:
+    all of them, less the compiled step in a ``quick`` run)."""
+    known = set(TABLE_WORKLOADS) | set(MATRIX_WORKLOADS) | {CALLBACK, COMPILED} | set(compiled_names(COMPILED_WORKLOADS))
     if not text:
-        return known
+        return known - {COMPILED, *compiled_names(COMPILED_WORKLOADS)} if quick else known
     names = {n.strip() for n in text.split(",") if n.strip()}
     unknown = names - known
     if unknown or not names:
         raise SystemExit(f"--only: unknown workload(s) {sorted(unknown)}; choose from {', '.join(sorted(known))}")
     return names
+
+
+def compiled_names(names: tuple[str, ...]) -> list[str]:
+    """``compiled:<workload>``: one workload of the compiled step (``compiled`` picks them all)."""
+    return [f"{COMPILED}:{n}" for n in names]
 
 
 def run_table(only: set[str], device: torch.device, quick: bool, reps: int, flat: Optional[float]) -> list[Result]:
@@ -107,14 +121,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--flat", type=float, default=None, help="flat parameter count (default: sized to the device)")
     ap.add_argument("--only", default=None,
                     help=f"comma list of workloads: table {','.join(TABLE_WORKLOADS)}; matrix {','.join(MATRIX_WORKLOADS)} "
-                         f"(resnet18 is in both); {CALLBACK} (the callback's cost)")
+                         f"(resnet18 is in both); {CALLBACK} (the callback's cost); {COMPILED} (a compiled train step "
+                         f"on {', '.join(COMPILED_WORKLOADS)}; or one of {', '.join(compiled_names(COMPILED_WORKLOADS))})")
     ap.add_argument("--matrix-only", action="store_true",
-                    help="skip the optimizer-step table and the callback; run only the matrix")
+                    help="skip the optimizer-step table, the callback and the compiled step; run only the matrix")
     args = ap.parse_args(argv)
     raw_argv = argv if argv is not None else sys.argv[1:]
     device = torch.device(args.device)
     quick = args.quick
-    only = parse_only(args.only)
+    only = parse_only(args.only, quick)
     if args.blocks is not None and args.blocks < 1:
         raise SystemExit(f"--blocks must be at least 1 (got {args.blocks})")
 
@@ -134,6 +149,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             wl = workloads(device, quick)["resnet18"]
             print(f"== callback: {wl.description} in a Lightning Trainer on {device}", flush=True)
             callback = measure_callback(wl, device, CallbackConfig.quick() if quick else CallbackConfig())
+        compiled = None
+        compiled_wls = [n for n in COMPILED_WORKLOADS if {COMPILED, f"{COMPILED}:{n}"} & only]
+        if compiled_wls and not args.matrix_only:
+            compiled = run_compiled(compiled_wls, workloads(device, quick), device,
+                                    CompiledConfig.quick() if quick else CompiledConfig(),
+                                    log=lambda line: print(line, flush=True))
     finally:
         torch.set_num_threads(threads)
 
@@ -145,6 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "matrix": {"config": asdict(cfg), "workloads": matrix}}
     if callback is not None:
         record["callback"] = callback
+    if compiled is not None:
+        record["compiled"] = compiled
     (out / "bench.json").write_text(json.dumps(record, indent=2))
     chart_note = plot(results, out / "bench.png") if results else "no optimizer-step table: no chart"
     if results:
@@ -158,7 +181,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(detail_table(matrix))
     if callback is not None:
         print(callback_table(callback))
+    if compiled is not None:
+        print(compiled_table(compiled))
     judged = {**matrix, **({CALLBACK: callback} if callback is not None else {})}
+    if compiled is not None:
+        judged.update({f"{COMPILED}:{n}": w for n, w in compiled["workloads"].items()})
     if judged:
         print(goals_table(judged))
     return 0

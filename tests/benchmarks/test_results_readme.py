@@ -129,7 +129,7 @@ def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
     target = tmp_path / "README.md"
     target.write_text("# x\n")
     assert readme.main(["--bench", str(path), "--readme", str(target)]) == 0
-    assert "1.004x" in target.read_text() and "Not measured yet" not in target.read_text()
+    assert "1.004x" in target.read_text() and "no `callback` entry" not in target.read_text()
 
 
 def test_a_bench_file_without_the_callback_says_not_measured_yet(tmp_path):
@@ -141,3 +141,45 @@ def test_the_readme_communication_table_is_the_committed_measurement():
     from benchmarks import communication
 
     assert communication.main(["--check"]) == 0, "run python benchmarks/communication.py"
+
+
+def _with_compiled(tmp_path, compiled):
+    data = json.loads(readme.DEFAULT_BENCH.read_text())
+    data.pop("compiled", None)
+    if compiled is not None:
+        data["compiled"] = compiled
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_compiled_step_is_rendered_with_its_verdicts(tmp_path):
+    sp = lambda m: {"median": m, "p10": m - 0.1, "p90": m + 0.1, "n": 20}
+    goals = [{"figure": "compiled train step TCov=100 vs Adam", "value": 1.031, "unit": "x", "limit": 1.05, "met": True},
+             {"figure": "same, median per-block ratio", "value": 1.02, "unit": "x", "limit": None, "met": None},
+             {"figure": "graphs compiled while timed", "value": 1.0, "unit": "count", "limit": 0.0, "met": False}]
+    compile_ = {"adam": {"seconds": 31.2, "graphs": 1, "graph_breaks": 0, "recompile_limit": 0},
+                "adafisher": {"seconds": 64.7, "graphs": 22, "graph_breaks": 21, "recompile_limit": 0, "capture_steps": 3}}
+    compiled = {"config": {"warmup": 30, "capture_every": 10, "block": 20, "blocks": 20, "TCov": 100, "backend": "inductor"},
+                "workloads": {"toy": {"description": "a toy", "optimizer": "AdaFisher", "baseline": "Adam(fused=True)",
+                                      "backend": "fused", "compiler": "inductor", "adam_ms": sp(10.0), "adafisher_ms": sp(10.3),
+                                      "ratio": 1.031, "block_ratio": sp(1.02), "compile": compile_,
+                                      "compiled_while_timed": {"graphs": 1}, "goals": goals, "warnings": []}}}
+    path = _with_compiled(tmp_path, compiled)
+    text = readme.compiled_section(path)
+    assert "| toy | compiled train step TCov=100 vs Adam | 1.031x | <= 1.05x | yes |" in text
+    assert "| toy | same, median per-block ratio | 1.020x | - | - |" in text
+    assert "| toy | graphs compiled while timed | 1 | <= 0 | **no** |" in text
+    assert "| toy | 10.00 [9.90, 10.10] | 10.30 [10.20, 10.40] | 1.020x [0.920, 1.120] | 31 / 65 | 1 / 22 |" in text
+    assert "`torch.compile(model)` (inductor)" in text and "blocks of 20 (20 per variant" in text
+    assert "Source: " in text
+    target = tmp_path / "README.md"
+    target.write_text("# x\n")
+    assert readme.main(["--bench", str(path), "--readme", str(target)]) == 0
+    written = target.read_text()
+    assert "1.031x" in written and "no `compiled` entry" not in written
+
+
+def test_a_bench_file_without_the_compiled_step_says_not_measured_yet(tmp_path):
+    text = readme.compiled_section(_with_compiled(tmp_path, None))
+    assert "Not measured yet" in text and "--only compiled" in text

@@ -137,6 +137,12 @@ def excluded(model: nn.Module) -> set[int]:
     return out
 
 
+def share_preconditioned(opt, model: nn.Module) -> float:
+    """The share of ``model``'s parameter elements whose F comes from factors."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if opt.fisher_view(p) is not None) / sum(p.numel() for p in params)
+
+
 def zoo_row(name: str, opt_cls=None) -> dict:
     """Build the model, take one capture step, and measure what is preconditioned."""
     from lightning_cafin import AdaFisher
@@ -156,13 +162,11 @@ def zoo_row(name: str, opt_cls=None) -> dict:
     for layer in opt.unseen_layers:  # used functionally: outside the goal as well
         skip |= {id(p) for p in modules[layer].parameters(recurse=False)}
     pre = [p for p in params if opt.fisher_view(p) is not None]
-    total = sum(p.numel() for p in params)
     eligible = sum(p.numel() for p in params if id(p) not in skip)
-    pre_n = sum(p.numel() for p in pre)
     pre_eligible = sum(p.numel() for p in pre if id(p) not in skip)
     f_one_types = sorted({type(m).__name__ for m in model.modules()
                           for p in m.parameters(recurse=False) if opt.fisher_view(p) is None})
     return {
-        "model": name, "library": ZOO[name][0], "share": pre_n / total, "share_of_layers": pre_eligible / eligible,
+        "model": name, "library": ZOO[name][0], "share": share_preconditioned(opt, model), "share_of_layers": pre_eligible / eligible,
         "f_one": f_one_types, "summary": opt.summary(), "opt": opt, "model_obj": model,
     }
