@@ -139,7 +139,23 @@ def peak_bytes(step: Callable[[], None], n: int, device: torch.device) -> Option
 
 
 def parity(wl: Workload, strategy: str, device: torch.device, rank: int, world: int) -> float:
-    """Largest per-step relative difference between the N-rank run and one replica (rank 0)."""
+    """Largest per-step relative difference between the N-rank run and one replica (rank 0).
+
+    Deterministic cuDNN, no TF32: AdaFisher's early steps are about ``lr / Lambda`` per
+    element, so a nondeterministic convolution's last-bit differences grow to order one
+    within a few steps through BatchNorm, and the comparison would measure that instead."""
+    flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _parity(wl, strategy, device, rank, world)
+    finally:
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+         torch.backends.cuda.matmul.allow_tf32) = flags
+
+
+def _parity(wl: Workload, strategy: str, device: torch.device, rank: int, world: int) -> float:
     cls = AdaFisherW if wl.ada_cls is AdaFisherW else AdaFisher
     model = wl.model(device).float()
     net = wrap(model, strategy, device)

@@ -53,10 +53,14 @@ class PlannedBatch:
     steps: list[Tensor] = field(default_factory=list)
     views: list[Optional[FactorView]] = field(default_factory=list)
     prepared: Any = None
+    #: some parameter is a shard (its gradient's local tensor is read each step)
+    sharded: bool = False
 
     def batch(self, factors_version: int) -> StepBatch:
         """The batch with this step's gradients."""
-        grads = [local(p.grad) for p in self.owners]  # type: ignore[arg-type]  # the plan's key says each has one
+        # every planned parameter has a gradient (the plan's key says so)
+        grads: list[Tensor] = ([local(p.grad) for p in self.owners] if self.sharded  # type: ignore[arg-type]
+                               else [p.grad for p in self.owners])  # type: ignore[misc]
         return StepBatch(self.params, grads, self.exp_avgs, self.steps, self.views, factors_version)
 
 
@@ -156,6 +160,7 @@ class StepDispatcher:
             if batch is None:
                 batch = batches[bkey] = PlannedBatch(backend, mine.device, mine.dtype)
             batch.owners.append(p)
+            batch.sharded |= mine is not p
             batch.params.append(mine)
             batch.exp_avgs.append(local(exp_avg))
             batch.steps.append(step)
