@@ -216,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             entry["peak_bytes"] = {k: peak_bytes(v[0], 11, device) for k, v in made.items()}
             if args.parity:
                 entry["parity_max_rel"] = parity(wl, strategy, device, rank, world)
+                entry["parity_deterministic"] = True  # cuDNN deterministic, no TF32 (see parity())
             results[f"{name}/{strategy}"] = entry
             del made
             if rank == 0:
@@ -226,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         command = f"torchrun --nproc-per-node {world} benchmarks/multigpu.py " + " ".join(sys.argv[1:])
         (args.out / f"multigpu-{world}.json").write_text(json.dumps(
-            {**provenance(device, command), "world_size": world, "results": results}, indent=1) + "\n")
+            {"provenance": provenance(device, command), "world_size": world, "results": results}, indent=1) + "\n")
         print(f"wrote {args.out / f'multigpu-{world}.json'}")
     dist.destroy_process_group()
     return 0

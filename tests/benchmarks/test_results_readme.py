@@ -183,3 +183,11 @@ def test_the_compiled_step_is_rendered_with_its_verdicts(tmp_path):
 def test_a_bench_file_without_the_compiled_step_says_not_measured_yet(tmp_path):
     text = readme.compiled_section(_with_compiled(tmp_path, None))
     assert "Not measured yet" in text and "--only compiled" in text
+
+
+def test_the_multigpu_section_renders_the_committed_runs_or_says_not_measured(tmp_path):
+    from benchmarks import results_readme
+
+    assert "Not measured yet" in results_readme.multigpu_section(tmp_path / "none")
+    text = results_readme.multigpu_section(results_readme.DEFAULT_MULTIGPU)
+    assert "| gpt/fsdp2 | 1 |" in text and "multigpu-1.json" in text
