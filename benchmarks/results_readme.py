@@ -124,19 +124,26 @@ def matrix_section(path: Path) -> Optional[str]:
     return "\n".join(lines)
 
 
+def _not_measured(title: str, path: Path, key: str) -> str:
+    return "\n".join([title, "", f"Not measured yet: `{_rel(path)}` has no `{key}` entry (run "
+                      f"`python -m lightning_cafin.bench --only {key}` on a GPU and merge its `{key}` "
+                      "entry, or re-run the whole bench)."])
+
+
+def _spread_ms(sp: Optional[dict]) -> str:
+    """``median [p10, p90]`` of a spread, in ms (``-`` when not measured)."""
+    return "-" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+
+
 def callback_section(path: Path) -> str:
     """The callback's cost (``python -m lightning_cafin.bench --only callback``), or a note that the file lacks it."""
     data = load_measured(path)
     title = "### The callback's cost: a Lightning step with `CAFINCallback` against the same step without"
     r = data.get("callback")
     if not r:
-        return "\n".join([title, "", f"Not measured yet: `{_rel(path)}` has no `callback` entry (run "
-                          "`python -m lightning_cafin.bench --only callback` on a GPU and merge its `callback` "
-                          "entry, or re-run the whole bench)."])
+        return _not_measured(title, path, "callback")
     cfg, q, blocks = r["config"], r["quiet_ratio"], r["blocks"]
-
-    def ms(sp: Optional[dict]) -> str:
-        return "-" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+    ms = _spread_ms
 
     lines = [title, "",
              f"{r['description']} ({r['backend']}): two fits on the same seeded model and in-memory batch, "
@@ -162,13 +169,9 @@ def compiled_section(path: Path) -> str:
     title = "### A compiled train step: AdaFisher at TCov=100 against fused Adam(W), both under `torch.compile`"
     r = data.get("compiled")
     if not r:
-        return "\n".join([title, "", f"Not measured yet: `{_rel(path)}` has no `compiled` entry (run "
-                          "`python -m lightning_cafin.bench --only compiled` on a GPU and merge its `compiled` "
-                          "entry, or re-run the whole bench)."])
+        return _not_measured(title, path, "compiled")
     cfg = r["config"]
-
-    def ms(sp: dict) -> str:
-        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+    ms = _spread_ms
 
     lines = [title, "",
              f"Per workload, two copies of the same seeded model, each `torch.compile(model)` ({cfg['backend']}), "

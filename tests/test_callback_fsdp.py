@@ -117,3 +117,41 @@ def test_fsdp1_strategy_is_refused_naming_what_to_use(tmp_path):
     on_fsdp1 = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(TypeError, match="FSDP1.*ModelParallelStrategy with fully_shard"):
         CAFINCallback().setup(on_fsdp1, Plain(), "fit")  # type: ignore[arg-type]
+
+
+class WithBatchNorm(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * 8 * 8, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return AdaFisher(self.parameters(), TCov=2)
+
+    def on_train_end(self) -> None:
+        self.summary = self.trainer.optimizers[0].summary()
+
+
+def _sync_batchnorm_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    model = WithBatchNorm()
+    Trainer(default_root_dir=out, accelerator="gpu", devices=1, strategy="ddp", sync_batchnorm=True, max_steps=4,
+            callbacks=[CAFINCallback(backend="foreach", divergence_every_n_steps=0)], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model, data())
+    torch.save({"norm": type(model.net[1]).__name__, "summary": model.summary}, os.path.join(out, "sync.pt"))
+
+
+@pytest.mark.cuda
+def test_sync_batchnorm_layers_stay_preconditioned(tmp_path):
+    """Lightning's ``sync_batchnorm=True`` swaps BatchNorm for SyncBatchNorm before the
+    optimizer exists; the callback binds the swapped layers (DDP allows SyncBatchNorm on GPUs only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("SyncBatchNorm under DDP needs a GPU")
+    mp.spawn(_sync_batchnorm_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    r = torch.load(tmp_path / "sync.pt", weights_only=True)
+    assert r["norm"] == "SyncBatchNorm"
+    assert "6 parameter tensors" in r["summary"] and "in 3 layers are preconditioned; 0 tensors" in r["summary"], r["summary"]

@@ -94,14 +94,19 @@ def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 
 
-def _with_callback(tmp_path, callback):
+def _bench_with(tmp_path, key, entry):
+    """The committed bench file with its ``key`` entry replaced by ``entry`` (removed when None)."""
     data = json.loads(readme.DEFAULT_BENCH.read_text())
-    data.pop("callback", None)
-    if callback is not None:
-        data["callback"] = callback
+    data.pop(key, None)
+    if entry is not None:
+        data[key] = entry
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
     return path
+
+
+def _with_callback(tmp_path, callback):
+    return _bench_with(tmp_path, "callback", callback)
 
 
 def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
@@ -144,13 +149,7 @@ def test_the_readme_communication_table_is_the_committed_measurement():
 
 
 def _with_compiled(tmp_path, compiled):
-    data = json.loads(readme.DEFAULT_BENCH.read_text())
-    data.pop("compiled", None)
-    if compiled is not None:
-        data["compiled"] = compiled
-    path = tmp_path / "bench.json"
-    path.write_text(json.dumps(data))
-    return path
+    return _bench_with(tmp_path, "compiled", compiled)
 
 
 def test_the_compiled_step_is_rendered_with_its_verdicts(tmp_path):

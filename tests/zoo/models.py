@@ -170,3 +170,21 @@ def zoo_row(name: str, opt_cls=None) -> dict:
         "model": name, "library": ZOO[name][0], "share": share_preconditioned(opt, model), "share_of_layers": pre_eligible / eligible,
         "f_one": f_one_types, "summary": opt.summary(), "opt": opt, "model_obj": model,
     }
+
+
+def built_for_comparison(name: str):
+    """``(model, make_batch, loss)`` of zoo model ``name`` in train mode with dropout off (eager and
+    compiled runs draw different dropout masks); skips when its library is not installed."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(ZOO[name][0]) is None:
+        pytest.skip(f"{ZOO[name][0]} is not installed (pip install -e .[zoo])")
+    torch.manual_seed(0)
+    base, make_batch, loss = ZOO[name][1]()
+    base.train()
+    for m in base.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return base, make_batch, loss

@@ -13,7 +13,6 @@ capture hooks) are counted.  Slow: each model compiles for a while."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import warnings
 
@@ -24,7 +23,7 @@ from lightning_cafin import AdaFisher, spec
 from lightning_cafin.capture import rule_for
 from lightning_cafin.capture.layers import gradient_tap
 
-from .models import ZOO
+from .models import ZOO, built_for_comparison
 
 pytestmark = pytest.mark.slow
 
@@ -133,15 +132,8 @@ def graph_breaks(model, batch, loss) -> int:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_zoo_model_matches_eager(name):
-    if importlib.util.find_spec(ZOO[name][0]) is None:
-        pytest.skip(f"{ZOO[name][0]} is not installed")
+    base, make_batch, loss = built_for_comparison(name)
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    base, make_batch, loss = ZOO[name][1]()
-    base.train()
-    for m in base.modules():  # dropout masks differ between eager and compiled RNG streams
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
     batches = [make_batch(torch.float32) for _ in range(3)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -153,18 +145,21 @@ def test_compiled_zoo_model_matches_eager(name):
     for n, factors in compiled[0].items():
         for got, want, stat in zip(factors, compiled[4][n], "SH"):
             assert _rel(got, want) < ORACLE_RTOL, (n, stat, "against the oracle of the compiled run's tensors")
-    rtol = MODEL_GAP.get(name, FACTOR_RTOL)
-    for n, (S, H) in eager[0].items():
-        for got, want, stat in zip(compiled[0][n], (S, H), "SH"):
-            assert _rel(got, want) < rtol, (n, stat, "against eager")
-    # the first update (it used the first capture's factors); later steps drift apart as the
-    # model's own eager/compiled difference grows (SGD at the same step size drifts as much:
-    # ResNet with a batch of 2 differs by 0.1 after three plain SGD steps at lr=1e-3)
-    # The model's own eager/compiled gradient gap (ResNet, batch 2: 1e-3 relative, from its
-    # BatchNorms over two samples) moves the first update by up to lr/Lambda times that gap.
-    gap = max(((g - w).abs().max().item() for g, w in zip(compiled[3], eager[3]) if w is not None), default=0.0)
-    scale = max((w.abs().max().item() for w in eager[3] if w is not None), default=0.0)
-    lr_over_lambda = 1e-3 / 1e-3
-    for got, want in zip(compiled[1], eager[1]):
-        torch.testing.assert_close(got, want, rtol=0, atol=2 * lr_over_lambda * (gap + 1e-3 * scale) + 1e-6)
+    assert_first_capture_matches(name, compiled[0], eager[0], compiled[3], eager[3], compiled[1], eager[1])
     assert all(torch.isfinite(p).all() for p in compiled[2])
+
+
+def assert_first_capture_matches(name, factors, eager_factors, grads, eager_grads, update, eager_update,
+                                 lr_over_lambda=1e-3 / 1e-3):
+    """The first capture's factors within the model's tolerance of eager's, and the first update
+    (it used them) within lr/Lambda times the model's own eager/compiled gradient gap (ResNet,
+    batch 2: 1e-3 relative, from its BatchNorms over two samples); later steps drift apart as
+    that gap grows (SGD at the same step size drifts as much)."""
+    rtol = MODEL_GAP.get(name, FACTOR_RTOL)
+    for n, (S, H) in eager_factors.items():
+        for got, want, stat in zip(factors[n], (S, H), "SH"):
+            assert _rel(got, want) < rtol, (n, stat, "compiled against eager")
+    gap = max(((g - w).abs().max().item() for g, w in zip(grads, eager_grads) if w is not None), default=0.0)
+    scale = max((w.abs().max().item() for w in eager_grads if w is not None), default=0.0)
+    for got, want in zip(update, eager_update):
+        torch.testing.assert_close(got, want, rtol=0, atol=2 * lr_over_lambda * (gap + 1e-3 * scale) + 1e-6)

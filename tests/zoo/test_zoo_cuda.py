@@ -25,7 +25,6 @@ deterministic algorithms.  Skips without a GPU or the extension.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
 
 import pytest
@@ -33,9 +32,9 @@ import torch
 
 from lightning_cafin import AdaFisher
 
-from .models import ZOO, share_preconditioned, zoo_row
+from .models import ZOO, built_for_comparison, share_preconditioned, zoo_row
 from .test_zoo import SHARE
-from .test_zoo_compile import FACTOR_RTOL, MODEL_GAP, MODELS
+from .test_zoo_compile import MODELS, assert_first_capture_matches
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -72,14 +71,7 @@ def _to_cuda(batch):
 
 
 def _setup(name):
-    if importlib.util.find_spec(ZOO[name][0]) is None:
-        pytest.skip(f"{ZOO[name][0]} is not installed (pip install -e .[zoo])")
-    torch.manual_seed(0)
-    base, make_batch, loss = ZOO[name][1]()
-    base.train()
-    for m in base.modules():  # dropout masks differ between eager and compiled RNG streams
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    base, make_batch, loss = built_for_comparison(name)
     batches = [_to_cuda(make_batch(torch.float32)) for _ in range(STEPS)]
     return base.cuda(), batches, loss
 
@@ -172,13 +164,5 @@ def test_compiled_zoo_model_matches_eager_on_the_gpu(name, fused_ok):
         compiled = _first_capture(model, torch.compile(model), batches, loss)
     assert compiled[4] == eager[4] == "fused"
     assert set(compiled[0]) == set(eager[0]) and compiled[0]
-    rtol = MODEL_GAP.get(name, FACTOR_RTOL)
-    for n, (S, H) in eager[0].items():
-        for got, want, stat in zip(compiled[0][n], (S, H), "SH"):
-            assert _rel(got, want) < rtol, (n, stat, "compiled against eager")
-    # the first update, as test_zoo_compile.py bounds it: lr / Lambda times the model's own gradient gap
-    gap = max(((g - w).abs().max().item() for g, w in zip(compiled[1], eager[1]) if w is not None), default=0.0)
-    scale = max((w.abs().max().item() for w in eager[1] if w is not None), default=0.0)
-    for got, want in zip(compiled[2], eager[2]):
-        torch.testing.assert_close(got, want, rtol=0, atol=2 * (gap + 1e-3 * scale) + 1e-6)
+    assert_first_capture_matches(name, compiled[0], eager[0], compiled[1], eager[1], compiled[2], eager[2])
     assert all(torch.isfinite(p).all() for p in compiled[3])
