@@ -176,10 +176,11 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         self.binding.version += 1
         by_name = self.binding.captures
         trainable = [n for n in report.not_fired if any(p.requires_grad for p in by_name[n].module.parameters(recurse=False))]
-        # Gradients without a hook call mean the weights are used functionally, but only when
-        # some hook fired: a step with no forward at all (torch.distributed.checkpoint's
-        # state initialisation steps on zero gradients) says nothing about any layer.
-        functional = [n for n in trainable if fired and by_name[n].S is None
+        # Gradients without a hook call mean the weights are used functionally, except at a first
+        # step where no hook fired anywhere: torch.distributed.checkpoint initialises a fresh
+        # optimizer's state with such a step (zero gradients, no forward), which says nothing.
+        silent = not fired and self.schedule.steps_taken == 0
+        functional = [n for n in trainable if not silent and by_name[n].S is None
                       and any(p.grad is not None for p in by_name[n].module.parameters(recurse=False))]
         if functional:  # gradients but no hook call: the owner uses the weights functionally
             self.binding.unbind_unseen(functional)
@@ -187,7 +188,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             self._summary = self.summary()
             self._health.params_f_one = sum(1 for p in self._all_params() if not self.binding.preconditioned(p))
             log.info(self._summary)
-        if not fired:  # no forward reached any layer (a state-initialising step): nothing to report
+        if silent:
             trainable = []
         self._health.record_capture(report, trainable, {n: by_name[n].S is not None for n in trainable})
 

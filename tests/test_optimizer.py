@@ -402,3 +402,32 @@ def test_unbound_optimizer_binds_to_an_offered_model_and_captures_next_step():
     finally:
         withdraw_model(model)
     assert not opt.is_bound and all(hook_count(m) == 0 for m in model.modules())
+
+
+class _Functional(nn.Module):
+    """Uses its Linear's weight through F.linear: the Linear's hook never fires."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return F.linear(x, self.fc.weight, self.fc.bias)
+
+
+def test_a_first_step_without_any_forward_unbinds_nothing_and_warns_nothing(recwarn):
+    """torch.distributed.checkpoint initialises a fresh optimizer's state with one step on
+    zero gradients and no forward; the layers stay bound, and a later capture step with a
+    real forward still finds weights used functionally."""
+    model = _Functional()
+    opt = AdaFisher(model, TCov=2)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.unseen_layers == {} and opt.is_bound
+    assert not [w for w in recwarn if "no training forward" in str(w.message)]
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    assert "fc" in opt.unseen_layers and "functionally" in opt.unseen_layers["fc"]
