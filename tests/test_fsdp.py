@@ -81,14 +81,16 @@ def optimizer(model):
     return AdaFisher(model, lr=3e-3, TCov=TCOV, weight_decay=1e-3, backend="foreach")
 
 
-def worker(rank, world, port, out, resume):
+def worker(rank, world, port, out, resume, hsdp=False):
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     init_gloo(rank, world, port)
-    mesh = init_device_mesh("cpu", (world,))  # on the CPU even where a GPU is visible
+    # on the CPU even where a GPU is visible; HSDP: replicate over 2 groups, shard within each
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
     model = network()
     fully_shard(model.fc, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -107,7 +109,7 @@ def worker(rank, world, port, out, resume):
         with CountCollectives() as counted:
             opt.step()
         record["collectives"].append(counted.ops)
-        if not resume and step + 1 == SAVE_AT:
+        if not resume and not hsdp and step + 1 == SAVE_AT:
             msd, osd = get_state_dict(model, opt)
             save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"))
     record["params"] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
@@ -115,13 +117,17 @@ def worker(rank, world, port, out, resume):
     record["factors"] = {n: (f.S.clone(), f.H.clone()) for n, f in opt.factors().items()}
     record["memory"] = opt.memory_usage()
     record["reduced_bytes"] = opt.statistics_reduction.last.bytes
-    torch.save(record, os.path.join(out, f"{'resumed' if resume else 'run'}{world}-{rank}.pt"))
+    torch.save(record, os.path.join(out, f"{_kind(resume, hsdp)}{world}-{rank}.pt"))
     dist.destroy_process_group()
 
 
-def spawn(world, out, resume=False):
-    mp.spawn(worker, args=(world, free_port(), str(out), resume), nprocs=world, join=True)
-    return [torch.load(out / f"{'resumed' if resume else 'run'}{world}-{r}.pt", weights_only=True) for r in range(world)]
+def _kind(resume, hsdp):
+    return "resumed" if resume else "hsdp" if hsdp else "run"
+
+
+def spawn(world, out, resume=False, hsdp=False):
+    mp.spawn(worker, args=(world, free_port(), str(out), resume, hsdp), nprocs=world, join=True)
+    return [torch.load(out / f"{_kind(resume, hsdp)}{world}-{r}.pt", weights_only=True) for r in range(world)]
 
 
 def one_process(parts_at):
@@ -203,3 +209,12 @@ def test_a_checkpoint_saved_on_four_ranks_resumes_exactly_on_two(four_ranks):
     for run in resumed:
         assert_equal(run, ref)
         assert all(ops == [] for due, ops in zip(run["capture"], run["collectives"]) if not due)
+
+
+def test_hsdp_on_a_two_by_two_mesh_equals_one_process(tmp_path):
+    """FSDP2 on a 2-D mesh (replicate x shard, placements (Replicate(), Shard(0)))."""
+    ranks = spawn(4, tmp_path, hsdp=True)
+    ref = one_process(lambda i: 4)
+    for run in ranks:
+        assert_equal(run, ref)
+        assert_collectives(run)
