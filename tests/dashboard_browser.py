@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 from urllib.parse import parse_qs, urlparse
+
+from tests.distributed_runs import free_port
 
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -43,16 +44,10 @@ def missing() -> Optional[str]:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def tensorboard(logdir: str, timeout_s: float = 120.0) -> Iterator[str]:
     """A TensorBoard server on 127.0.0.1 for ``logdir``; yields its URL."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
          "--port", str(port), "--reload_interval", "0"],

@@ -1,4 +1,4 @@
-"""Helpers for tests that spawn gloo process groups on the CPU (not collected: no ``test_`` prefix)."""
+"""Helpers for tests that spawn process groups or serve on a local port (not collected: no ``test_`` prefix)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_master(port: int, **env: str) -> None:
+    """Point torch.distributed's rendezvous at ``127.0.0.1:port`` (plus any other variables in ``env``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+
+
 def init_gloo(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_master(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

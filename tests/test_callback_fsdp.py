@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cafin import AdaFisher, CAFINCallback
-from tests.distributed_runs import free_port
+from tests.distributed_runs import free_port, local_master
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -70,8 +70,8 @@ def trainer(root, epochs: int) -> Trainer:
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), GROUP_RANK="0", TORCHELASTIC_RUN_ID="cafin")
+    local_master(port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                 GROUP_RANK="0", TORCHELASTIC_RUN_ID="cafin")
     whole = Sharded()
     trainer(os.path.join(out, "whole"), 2).fit(whole, data())
     first = Sharded()
@@ -137,7 +137,7 @@ class WithBatchNorm(LightningModule):
 
 
 def _sync_batchnorm_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_master(port)
     model = WithBatchNorm()
     Trainer(default_root_dir=out, accelerator="gpu", devices=1, strategy="ddp", sync_batchnorm=True, max_steps=4,
             callbacks=[CAFINCallback(backend="foreach", divergence_every_n_steps=0)], logger=False,

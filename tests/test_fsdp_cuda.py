@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_cafin import AdaFisher
-from tests.distributed_runs import free_port
+from tests.distributed_runs import free_port, local_master
 from tests.test_fsdp import AllLayers, network
 
 pytestmark = pytest.mark.cuda
@@ -48,7 +48,7 @@ def train(model: AllLayers, sharded: bool, mixed: bool) -> dict:
 
 
 def worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_master(port)
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     plain = train(network().float().cuda(), sharded=False, mixed=False)

@@ -105,6 +105,14 @@ def _bench_with(tmp_path, key, entry):
     return path
 
 
+def _readme_written_from(tmp_path, bench):
+    """The README the generator writes (exit 0 asserted) from ``bench`` into a one-line file."""
+    target = tmp_path / "README.md"
+    target.write_text("# x\n")
+    assert readme.main(["--bench", str(bench), "--readme", str(target)]) == 0
+    return target.read_text()
+
+
 def _with_callback(tmp_path, callback):
     return _bench_with(tmp_path, "callback", callback)
 
@@ -131,10 +139,8 @@ def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
     assert "| a shadow step: callback above bare | - |" in text
     assert "the 41 of 60 blocks" in text and "blocks of 10 steps (60 per fit after 100 warm-up steps)" in text
     assert "Source: " in text
-    target = tmp_path / "README.md"
-    target.write_text("# x\n")
-    assert readme.main(["--bench", str(path), "--readme", str(target)]) == 0
-    assert "1.004x" in target.read_text() and "no `callback` entry" not in target.read_text()
+    written = _readme_written_from(tmp_path, path)
+    assert "1.004x" in written and "no `callback` entry" not in written
 
 
 def test_a_bench_file_without_the_callback_says_not_measured_yet(tmp_path):
@@ -172,10 +178,7 @@ def test_the_compiled_step_is_rendered_with_its_verdicts(tmp_path):
     assert "| toy | 10.00 [9.90, 10.10] | 10.30 [10.20, 10.40] | 1.020x [0.920, 1.120] | 31 / 65 | 1 / 22 |" in text
     assert "`torch.compile(model)` (inductor)" in text and "blocks of 20 (20 per variant" in text
     assert "Source: " in text
-    target = tmp_path / "README.md"
-    target.write_text("# x\n")
-    assert readme.main(["--bench", str(path), "--readme", str(target)]) == 0
-    written = target.read_text()
+    written = _readme_written_from(tmp_path, path)
     assert "1.031x" in written and "no `compiled` entry" not in written
 
 

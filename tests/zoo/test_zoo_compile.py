@@ -133,20 +133,27 @@ def graph_breaks(model, batch, loss) -> int:
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_zoo_model_matches_eager(name):
     base, make_batch, loss = built_for_comparison(name)
-    torch._dynamo.reset()
     batches = [make_batch(torch.float32) for _ in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = copy.deepcopy(base)
-        eager = _run(model, model, batches, loss)
-        model = copy.deepcopy(base)
-        compiled = _run(model, torch.compile(model), batches, loss)
+    eager, compiled = eager_and_compiled(base, _run, batches, loss)
     assert set(compiled[0]) == set(eager[0]) == set(compiled[4])
     for n, factors in compiled[0].items():
         for got, want, stat in zip(factors, compiled[4][n], "SH"):
             assert _rel(got, want) < ORACLE_RTOL, (n, stat, "against the oracle of the compiled run's tensors")
     assert_first_capture_matches(name, compiled[0], eager[0], compiled[3], eager[3], compiled[1], eager[1])
     assert all(torch.isfinite(p).all() for p in compiled[2])
+
+
+def eager_and_compiled(base, run, *args):
+    """``run(model, forward, *args)`` on a copy of ``base`` called eagerly, then on another copy
+    called through ``torch.compile`` (dynamo reset first, its warnings silenced)."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = copy.deepcopy(base)
+        eager = run(model, model, *args)
+        model = copy.deepcopy(base)
+        compiled = run(model, torch.compile(model), *args)
+    return eager, compiled
 
 
 def assert_first_capture_matches(name, factors, eager_factors, grads, eager_grads, update, eager_update,

@@ -34,7 +34,7 @@ from lightning_cafin import AdaFisher
 
 from .models import ZOO, built_for_comparison, share_preconditioned, zoo_row
 from .test_zoo import SHARE
-from .test_zoo_compile import MODELS, assert_first_capture_matches
+from .test_zoo_compile import MODELS, assert_first_capture_matches, eager_and_compiled
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -155,13 +155,7 @@ def _first_capture(model, run, batches, loss):
 @pytest.mark.parametrize("name", MODELS)
 def test_compiled_zoo_model_matches_eager_on_the_gpu(name, fused_ok):
     base, batches, loss = _setup(name)
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = copy.deepcopy(base)
-        eager = _first_capture(model, model, batches, loss)
-        model = copy.deepcopy(base)
-        compiled = _first_capture(model, torch.compile(model), batches, loss)
+    eager, compiled = eager_and_compiled(base, _first_capture, batches, loss)
     assert compiled[4] == eager[4] == "fused"
     assert set(compiled[0]) == set(eager[0]) and compiled[0]
     assert_first_capture_matches(name, compiled[0], eager[0], compiled[1], eager[1], compiled[2], eager[2])
