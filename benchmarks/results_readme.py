@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning_cafin.bench.timing import spread_text
 from lightning_cafin.provenance import REQUIRED_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def _not_measured(title: str, path: Path, key: str) -> str:
 
 def _spread_ms(sp: Optional[dict]) -> str:
     """``median [p10, p90]`` of a spread, in ms (``-`` when not measured)."""
-    return "-" if sp is None else f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+    return "-" if sp is None else spread_text(sp)
 
 
 def callback_section(path: Path) -> str:
@@ -143,7 +144,6 @@ def callback_section(path: Path) -> str:
     if not r:
         return _not_measured(title, path, "callback")
     cfg, q, blocks = r["config"], r["quiet_ratio"], r["blocks"]
-    ms = _spread_ms
 
     lines = [title, "",
              f"{r['description']} ({r['backend']}): two fits on the same seeded model and in-memory batch, "
@@ -156,9 +156,9 @@ def callback_section(path: Path) -> str:
     for goal in r["goals"]:
         lines.append(f"| {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {_met(goal)} |")
     lines += ["", "| ms, median [p10, p90] | value |", "|---|---|",
-              f"| bare step (no logging, capture or shadow) | {ms(r['bare_ms'])} |",
-              f"| step with the callback, the same steps | {ms(r['callback_ms'])} |"]
-    lines += [f"| a {tag} step: callback above bare | {ms(sp)} |" for tag, sp in r["extra_ms"].items()]
+              f"| bare step (no logging, capture or shadow) | {_spread_ms(r['bare_ms'])} |",
+              f"| step with the callback, the same steps | {_spread_ms(r['callback_ms'])} |"]
+    lines += [f"| a {tag} step: callback above bare | {_spread_ms(sp)} |" for tag, sp in r["extra_ms"].items()]
     lines += ["", _source(path, data["provenance"])]
     return "\n".join(lines)
 
@@ -171,7 +171,6 @@ def compiled_section(path: Path) -> str:
     if not r:
         return _not_measured(title, path, "compiled")
     cfg = r["config"]
-    ms = _spread_ms
 
     lines = [title, "",
              f"Per workload, two copies of the same seeded model, each `torch.compile(model)` ({cfg['backend']}), "
@@ -188,7 +187,7 @@ def compiled_section(path: Path) -> str:
               "| graphs (Adam / AdaFisher) |", "|---|---|---|---|---|---|"]
     for name, w in r["workloads"].items():
         c = w["compile"]
-        lines.append(f"| {name} | {ms(w['adam_ms'])} | {ms(w['adafisher_ms'])} | "
+        lines.append(f"| {name} | {_spread_ms(w['adam_ms'])} | {_spread_ms(w['adafisher_ms'])} | "
                      f"{w['block_ratio']['median']:.3f}x [{w['block_ratio']['p10']:.3f}, {w['block_ratio']['p90']:.3f}] | "
                      f"{c['adam']['seconds']:.0f} / {c['adafisher']['seconds']:.0f} | "
                      f"{c['adam']['graphs']} / {c['adafisher']['graphs']} |")

@@ -42,9 +42,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from .. import AdaFisher, AdaFisherW, CAFINCallback
-from .matrix import Goal
+from .matrix import goal_rows
 from .syncs import counting_syncs
-from .timing import spread, sync
+from .timing import spread, spread_text, sync
 from .workloads import Workload
 
 VARIANTS = ("bare", "callback")
@@ -284,8 +284,7 @@ def callback_goals(r: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     if quiet_syncs is not None:
         rows.append(("dashboard host syncs per non-logging step", float(quiet_syncs["max"]), "count", 0.0))
-    return [asdict(Goal(figure, value, unit, limit, None if limit is None else value <= limit))
-            for figure, value, unit, limit in rows]
+    return goal_rows(rows)
 
 
 def measure_callback(wl: Workload, device: torch.device, cfg: CallbackConfig) -> dict[str, Any]:
@@ -321,9 +320,7 @@ def measure_callback(wl: Workload, device: torch.device, cfg: CallbackConfig) ->
 
 def callback_table(r: dict[str, Any]) -> str:
     """The callback's figures in a few lines: milliseconds per step, extra per tagged block, syncs."""
-    def ms(sp: dict[str, float]) -> str:
-        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
-
+    ms = spread_text
     q = r["quiet_ratio"]
     lines = [f"callback: {r['description']} ({r['backend']})",
              f"  quiet blocks ({r['blocks']['quiet']} of {r['blocks']['timed']}) ms/step: bare {ms(r['bare_ms'])}; "

@@ -25,7 +25,6 @@ CPU it checks the plumbing in seconds where inductor takes minutes.
 from __future__ import annotations
 
 import functools
-import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -34,8 +33,8 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
-from .matrix import Goal, Trainer, _free, _interleaved, _paired, _ratio
-from .timing import elapsed_ms, spread, sync
+from .matrix import Trainer, _free, _interleaved, _paired, _ratio, goal_rows
+from .timing import elapsed_ms, spread, spread_text, sync
 from .workloads import Workload
 
 #: The workloads compiled (names of ``workloads.workloads``).
@@ -121,11 +120,7 @@ def compiled_goals(r: dict[str, Any]) -> list[dict[str, Any]]:
             ("graph breaks while warming up (AdaFisher's model)", float(ada["graph_breaks"]), "count", None),
             ("frames left eager at the recompile limit (AdaFisher's model)", float(ada["recompile_limit"]), "count", None),
             ("graphs compiled while timed", float(r["compiled_while_timed"]["graphs"]), "count", 0.0)]
-    out = []
-    for figure, value, unit, limit in rows:
-        met = None if limit is None or not math.isfinite(value) else value <= limit
-        out.append(asdict(Goal(figure, value, unit, limit, met)))
-    return out
+    return goal_rows(rows)
 
 
 def measure_compiled(wl: Workload, device: torch.device, cfg: CompiledConfig) -> dict[str, Any]:
@@ -171,9 +166,7 @@ def run_compiled(names: list[str], all_workloads: dict[str, Workload], device: t
 
 def compiled_table(r: dict[str, Any]) -> str:
     """Milliseconds and compile figures behind the ratios: median [p10, p90]."""
-    def ms(sp: dict[str, float]) -> str:
-        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
-
+    ms = spread_text
     lines = []
     for name, w in r["workloads"].items():
         c, br = w["compile"], w["block_ratio"]

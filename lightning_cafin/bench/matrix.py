@@ -30,12 +30,12 @@ import gc
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .timing import elapsed_ms, run_peak, spread
+from .timing import elapsed_ms, run_peak, spread, spread_text
 from .workloads import Workload
 
 TCOVS = (100, 10, 1)
@@ -261,11 +261,14 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     rows += [("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
              ("optimizer step vs Adam (eager)", r["optimizer_step"]["vs_adam_ratio"]["median"], "x", 0.6),
              ("optimizer state vs Adam", r["state"]["vs_adam_ratio"], "x", None)]
-    out = []
-    for figure, value, unit, limit in rows:
-        met = None if limit is None or not math.isfinite(value) else value <= limit
-        out.append(asdict(Goal(figure, value, unit, limit, met)))
-    return out
+    return goal_rows(rows)
+
+
+def goal_rows(rows: Sequence[tuple[str, float, str, Optional[float]]]) -> list[dict[str, Any]]:
+    """``(figure, value, unit, limit)`` rows as :class:`Goal` dicts, ``met`` decided against the
+    limit (``None`` without a limit or for a value that is not finite: no verdict)."""
+    return [asdict(Goal(figure, value, unit, limit, None if limit is None or not math.isfinite(value) else value <= limit))
+            for figure, value, unit, limit in rows]
 
 
 def goals_table(matrix: dict[str, dict[str, Any]]) -> str:
@@ -283,9 +286,7 @@ def goals_table(matrix: dict[str, dict[str, Any]]) -> str:
 
 def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
     """Milliseconds and megabytes behind the ratios: median [p10, p90]."""
-    def ms(sp: dict[str, float]) -> str:
-        return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
-
+    ms = spread_text
     lines = []
     for name, r in matrix.items():
         p, s, o, m = r["pipelined"], r["sync"], r["optimizer_step"], r["memory"]

@@ -91,3 +91,8 @@ def quantile(xs: Sequence[float], q: float) -> float:
 def spread(xs: Sequence[float]) -> dict[str, float]:
     """Median, p10 and p90 of a sample."""
     return {"median": statistics.median(xs), "p10": quantile(xs, 0.1), "p90": quantile(xs, 0.9), "n": len(xs)}
+
+
+def spread_text(sp: dict[str, float]) -> str:
+    """A :func:`spread` as the tables print it: ``median [p10, p90]``, two decimals."""
+    return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
