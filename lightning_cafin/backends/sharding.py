@@ -86,9 +86,7 @@ def shard_view(view: FactorView, shape: torch.Size, rows: tuple[int, int]) -> Fa
     the flat range ``[r0 * e, r1 * e)`` with ``e`` elements per index of dim 0, which must
     start and end on whole rows of that matrix (true for every built-in layer, whose
     factor rows are dim 0: output channels, or a transposed weight's input rows)."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
+    numel = shape.numel()
     per_index = numel // shape[0] if len(shape) and shape[0] else numel
     a, b = rows[0] * per_index, rows[1] * per_index
     if a % view.ncols or b % view.ncols:
