@@ -217,8 +217,16 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # The input's statistics are computed with the gradient's, in the backward pass,
         # where the host has time to spare (the forward is launch-bound).  Holding x
         # costs nothing: autograd holds it for the weight's gradient, which is also why
-        # it cannot have been changed in place by then.
+        # it cannot have been changed in place by then.  The hook lets go of x once it has
+        # read it: autograd keeps the hook (its node lives until the loss is dropped), and a
+        # hook holding x would keep every activation to the end of the backward, where
+        # autograd frees each one as soon as its layer's gradient is computed.
+        held = [x]
+
         def on_output_grad(grad: Tensor) -> None:
+            if not held:
+                return  # a second backward through a retained graph: its input is gone
+            x = held.pop()
             with _no_grad_in_backward(), streams.beside(x, grad):
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)

@@ -46,6 +46,26 @@ def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
     assert (pending.hn, pending.sn) == (want_hn, want_sn)
 
 
+def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
+    # autograd keeps a tensor hook as long as the graph (until the loss is dropped); a hook
+    # still holding its layer's input would keep every activation to the end of the backward
+    layer = nn.Linear(7, 5)
+    cap = LayerCapture("fc", layer, rule_for(layer), lambda: True)
+    attach(cap)
+    try:
+        x = torch.randn(4, 7)
+        held = x.untyped_storage()._weak_ref()
+        y = layer(x)
+        del x
+        loss = y.square().sum()
+        loss.backward()  # autograd releases the input it saved; the graph (and the hook) live on
+        assert cap.pending.calls == 1
+        assert torch.UntypedStorage._expired(held), "the capture hook still holds the layer's input"
+        assert loss.grad_fn is not None
+    finally:
+        detach(cap)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA device")
 def test_side_stream_factors_equal_current_stream_factors():
