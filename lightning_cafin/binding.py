@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .backends import FactorView
-from .capture.hooks import LayerCapture, attach, detach
+from .capture.hooks import LayerCapture, attach, detach, factor_tensors_replaced
 from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 
 
@@ -105,6 +105,7 @@ class LayerBinding:
         self._kept: dict[str, dict[str, Any]] = {}  # factors of layers not bound now, by module name
         #: changes whenever any factor tensor is created or rewritten
         self.version = 0
+        self._slot_changes = 0  # pairings and layers moved to F = 1
 
     # ---------------------------------------------------------------- reading
     @property
@@ -120,6 +121,12 @@ class LayerBinding:
     def unseen(self) -> dict[str, str]:
         """Supported layers on F = 1 because their hooks cannot see them, with the reason (a copy)."""
         return dict(self._unseen)
+
+    @property
+    def views_stamp(self) -> tuple[int, int]:
+        """Changes whenever a parameter's factor view may be another tensor (a factor replaced,
+        a layer unbound); stays while the factors are only updated in place."""
+        return (self._slot_changes, factor_tensors_replaced())
 
     def preconditioned(self, p: Tensor) -> bool:
         """Whether ``p`` belongs to a bound layer (it reads ``F`` once that layer has factors)."""
@@ -220,6 +227,7 @@ class LayerBinding:
                     stacklevel=5,
                 )
         self._captures, self._slots = captures, slots
+        self._slot_changes += 1
         self._restore_kept()
 
     def unbind_unseen(self, names: Iterable[str]) -> None:
@@ -232,6 +240,7 @@ class LayerBinding:
                                   "functionally, e.g. F.linear(x, module.weight)")
             for key in [k for k, (c, _) in self._slots.items() if c is cap]:
                 del self._slots[key]
+        self._slot_changes += 1
         self.version += 1
 
     def discard_pending(self) -> None:

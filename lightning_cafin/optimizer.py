@@ -193,7 +193,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         self._health.record_capture(report, trainable, {n: by_name[n].S is not None for n in trainable})
 
     def _plan(self, index: int, group: dict) -> GroupPlan:
-        plan = self._dispatch.plan(index, group["params"], self.binding.version, self._init_state, self.fisher_view)
+        plan = self._dispatch.plan(index, group["params"], self.binding.version, self._init_state, self.fisher_view,
+                                   self.binding.views_stamp)
         for fallback in plan.fallbacks[:1]:
             self._health.warn_once("fused-fallback", f"{self.param_name(fallback.param)} is stepped by "
                                    f"{self._dispatch.fallback.name!r}: {fallback.reason}", stacklevel=5)

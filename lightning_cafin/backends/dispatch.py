@@ -132,9 +132,16 @@ class StepDispatcher:
         return (self.backend, None) if why is None else (self.fallback, why)
 
     def plan(self, group_id: int, params: list[Tensor], factors_version: int, state_for: StateFor,
-             view_for: ViewFor) -> GroupPlan:
-        """The group's plan for this step (cached while its key holds)."""
-        key = (self._epoch, factors_version, tuple(p.grad is not None for p in params))
+             view_for: ViewFor, views_stamp: Any = None) -> GroupPlan:
+        """The group's plan for this step (cached while its key holds).
+
+        ``views_stamp`` changes whenever a factor view may point at another tensor (the
+        binding's ``views_stamp``); while it stays, a new ``factors_version`` (factors
+        updated in place) keeps the plan, and the backends see the version in each
+        step's batch.  ``None``: the plan is rebuilt whenever ``factors_version`` changes.
+        """
+        stamp = factors_version if views_stamp is None else views_stamp
+        key = (self._epoch, stamp, tuple(p.grad is not None for p in params))
         cached = self._plans.get(group_id)
         if cached is not None and cached.key == key:
             return cached

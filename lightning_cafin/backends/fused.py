@@ -59,6 +59,17 @@ class KernelGroup:
     ncols: list[int] = field(default_factory=list)
     #: entries whose gradient is passed as the flat view of its storage (not row-major contiguous)
     flat_grad: list[bool] = field(default_factory=list)
+    #: entries reading a memory-ordered copy of ``H``: (entry, the live ``H``, column offset, order on the device)
+    permuted: list[tuple[int, Tensor, int, Tensor]] = field(default_factory=list)
+    #: the factors version the copies in ``permuted`` were made from
+    factors_version: int = -1
+
+    def refresh(self, factors_version: int) -> None:
+        """Rewrite the memory-ordered ``H`` copies in place once the factors changed."""
+        if self.permuted and factors_version != self.factors_version:
+            for j, H, col_offset, order in self.permuted:
+                permuted_factor(H, col_offset, order, out=self.H[j])
+        self.factors_version = factors_version
 
 
 @dataclass(frozen=True)
@@ -141,12 +152,16 @@ class FusedBackend(StepBackend):
                             f"{p.device}, got {f.dtype} shape {tuple(f.shape)} on {f.device}"
                         )
                 group.S.append(view.S)
-                if in_memory_order:  # a copy, rebuilt with the plan whenever the factors change
-                    group.H.append(permuted_factor(view.H, int(view.col_offset), memory_columns(p)))
+                if in_memory_order:  # a copy, refreshed by step() whenever the factors change
+                    order = memory_columns(p).to(p.device)
+                    group.permuted.append((len(group.H), view.H, int(view.col_offset), order))
+                    group.H.append(permuted_factor(view.H, int(view.col_offset), order))
                 else:
                     group.H.append(view.H)
                 group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
+        for group in groups.values():
+            group.factors_version = batch.factors_version
         return list(groups.values())
 
     # ------------------------------------------------------------------- step
@@ -165,6 +180,7 @@ class FusedBackend(StepBackend):
         lr_tensor = hyper.lr if isinstance(hyper.lr, Tensor) else None
         lr = 0.0 if lr_tensor is not None else float(hyper.lr)  # a tensor lr is never read on the host
         for group in groups:
+            group.refresh(batch.factors_version)
             # The dispatcher hands each device its own copies of the scaler's tensors and
             # of a tensor lr; a batch given directly may need them copied here.
             scalars = KernelScalars(

@@ -7,7 +7,8 @@ handed over as the flat view of its storage, in memory order.  As long as dim 0 
 outermost, each row is still one contiguous block, so only the column order within a
 row differs from the logical one; the kernel stays the same when it is given a copy
 of ``H`` whose segment is permuted to memory order (``H_mem[j_mem] = H[j_logical]``),
-rebuilt whenever the factors change.  The parameter's gradient and momentum must have
+rewritten in place whenever the factors change (the order itself is made once, on the
+device: a host-to-device copy per capture step would wait for the GPU).  The parameter's gradient and momentum must have
 the same strides (momentum is created in the parameter's memory format).
 """
 
@@ -80,5 +81,5 @@ def permuted_factor(H: Tensor, col_offset: int, perm: Tensor, out: Optional[Tens
     dest = torch.empty_like(H) if out is None or out.shape != H.shape or out.device != H.device else out
     dest.copy_(H)
     segment = H[col_offset : col_offset + perm.numel()]
-    dest[col_offset : col_offset + perm.numel()].copy_(segment.index_select(0, perm.to(H.device)))
+    torch.index_select(segment, 0, perm.to(H.device), out=dest[col_offset : col_offset + perm.numel()])
     return dest

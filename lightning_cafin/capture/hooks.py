@@ -9,7 +9,9 @@ in-place change receives the gradient of the value it was registered on.
 On capture steps the input's statistics are computed together with the gradient's,
 in the backward pass (the forward pass is launch-bound, the backward has host time to
 spare), on a side CUDA stream beside the backward's kernels (``streams.py``).  With a
-frozen weight autograd need not keep the input, so its statistics are read in the forward.
+frozen weight autograd need not keep the input, and a layer computing on a cast copy
+(autocast) has autograd keep the copy instead, so then the input's statistics are read
+in the forward.
 
 A norm module that applies an activation itself (timm's ``GroupNormAct``; ``layers.py``,
 ``gradient_tap``) is hooked twice: a forward pre-hook on the submodule that receives the
@@ -110,9 +112,25 @@ class PendingStats:
         return True
 
 
+class _FactorTensors:
+    """How many times any capture's ``S`` or ``H`` was replaced by another tensor (process-wide)."""
+
+    replaced = 0
+
+
+def factor_tensors_replaced() -> int:
+    """A stamp that changes whenever any layer's factor tensor is replaced (not updated in
+    place): step plans holding views of the factors stay valid while it stays the same."""
+    return _FactorTensors.replaced
+
+
 @dataclass(eq=False)
 class LayerCapture:
-    """One supported module bound to one optimizer: its factors and pending statistics."""
+    """One supported module bound to one optimizer: its factors and pending statistics.
+
+    ``S`` and ``H`` are updated in place on capture steps; assigning another tensor to
+    either changes :func:`factor_tensors_replaced`, so step plans know to look again.
+    """
 
     name: str
     module: nn.Module
@@ -123,9 +141,17 @@ class LayerCapture:
     pending: PendingStats = field(default_factory=PendingStats)
     refused: int = 0  # forward/backward pairs dropped because their shape changed
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("S", "H") and value is not getattr(self, name, None):
+            _FactorTensors.replaced += 1
+        object.__setattr__(self, name, value)
+
     @property
     def device(self) -> torch.device:
         """Where the module's parameters, hence its factors, live."""
+        weight = getattr(self.module, "weight", None)  # every built-in rule's module has one (no generator)
+        if isinstance(weight, Tensor):
+            return weight.device
         for p in self.module.parameters(recurse=False):
             return p.device
         return torch.device("cpu")
@@ -213,7 +239,7 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         return
     x = x.detach()
     rule = capture.rule
-    if _input_saved_for_backward(module):
+    if _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
         # The input's statistics are computed with the gradient's, in the backward pass,
         # where the host has time to spare (the forward is launch-bound).  Holding x
         # costs nothing: autograd holds it for the weight's gradient, which is also why
@@ -272,6 +298,14 @@ def _never_traced(hook: Callable[..., None]) -> Callable[..., None]:
     disabled = torch.compiler.disable(hook, recursive=True)
     disabled._lightning_cafin_capture = True
     return disabled
+
+
+def _computed_on_a_cast(x: Tensor, output: object) -> bool:
+    """Whether the layer computed on a cast copy of ``x`` (autocast: a Linear or convolution
+    given float32 under bf16 autocast, a LayerNorm given bf16): autograd then keeps the
+    copy, not ``x``, so holding ``x`` to the backward would keep a second activation
+    alive, and nothing would stop ``x`` from being changed in place meanwhile."""
+    return isinstance(output, Tensor) and output.dtype != x.dtype
 
 
 def _input_saved_for_backward(module: nn.Module) -> bool:

@@ -46,6 +46,30 @@ def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
     assert (pending.hn, pending.sn) == (want_hn, want_sn)
 
 
+def test_a_layer_computing_on_an_autocast_copy_has_its_input_read_in_the_forward():
+    # under autocast a Linear given float32 computes on a bfloat16 copy, which autograd keeps
+    # instead of the input: the input may then be changed in place before the backward (and
+    # holding it to the backward would keep a second activation alive)
+    torch.manual_seed(0)
+    layer = nn.Linear(7, 5)
+    rule = rule_for(layer)
+    cap = LayerCapture("fc", layer, rule, lambda: True)
+    attach(cap)
+    try:
+        x = torch.randn(4, 7)
+        want_h, want_hn = rule.input_partial(layer, x.clone())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        assert y.dtype == torch.bfloat16
+        x.mul_(3.0)  # legal: autograd saved the bfloat16 copy, not x
+        y.float().square().sum().backward()
+    finally:
+        detach(cap)
+    pending = cap.take_pending()
+    assert pending.calls == 1 and pending.hn == want_hn
+    torch.testing.assert_close(pending.h, want_h, rtol=1e-6, atol=0)
+
+
 def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
     # autograd keeps a tensor hook as long as the graph (until the loss is dropped); a hook
     # still holding its layer's input would keep every activation to the end of the backward

@@ -78,7 +78,8 @@ def test_250_steps_over_factor_updates_match_the_oracle(fused, decoupled, wd):
                     v.H.mul_(torch.empty_like(v.H).uniform_(0.8, 1.25))
             batch.factors_version += 1
             ref.factors_version = batch.factors_version
-            prepared = fused.prepare(batch)  # as the dispatcher re-plans on a factor change
+            # the plan is kept (as the dispatcher keeps it while factors change in place):
+            # the step refreshes what it derived from them
         grads = [torch.randn_like(p) for p in batch.params]
         batch.grads[:] = grads
         ref.grads[:] = grads
