@@ -65,25 +65,26 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     const at::Tensor& g = grads[i];
     const at::Tensor& m = exp_avgs[i];
     const at::Tensor& s = steps[i];
-    const std::string p_name = indexed("params", i), g_name = indexed("grads", i), m_name = indexed("exp_avgs", i);
+    const Entry p_name{"params", i}, g_name{"grads", i}, m_name{"exp_avgs", i};
     check_cuda_on(p, kOp, p_name, device, "params[0]");
     check_cuda_on(g, kOp, g_name, device, "params[0]");
     check_cuda_on(m, kOp, m_name, device, "params[0]");
-    check_cuda_on(s, kOp, indexed("steps", i), device, "params[0]");
-    TORCH_CHECK(p.scalar_type() == pdtype, kOp, p_name, " has dtype ", dtype_name(p.scalar_type()),
+    check_cuda_on(s, kOp, Entry{"steps", i}, device, "params[0]");
+    TORCH_CHECK(p.scalar_type() == pdtype, kOp, name_of(p_name), " has dtype ", dtype_name(p.scalar_type()),
                 " but params[0] has ", dtype_name(pdtype), "; group tensors by dtype");
-    TORCH_CHECK(g.scalar_type() == pdtype, kOp, g_name, " has dtype ", dtype_name(g.scalar_type()), " but ", p_name,
-                " has ", dtype_name(pdtype));
-    TORCH_CHECK(m.scalar_type() == mdtype, kOp, m_name, " has dtype ", dtype_name(m.scalar_type()),
+    TORCH_CHECK(g.scalar_type() == pdtype, kOp, name_of(g_name), " has dtype ", dtype_name(g.scalar_type()), " but ",
+                name_of(p_name), " has ", dtype_name(pdtype));
+    TORCH_CHECK(m.scalar_type() == mdtype, kOp, name_of(m_name), " has dtype ", dtype_name(m.scalar_type()),
                 " but exp_avgs[0] has ", dtype_name(mdtype), "; group tensors by momentum dtype");
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, kOp, "steps[", num(i),
                 "] must be a float32 tensor with one element, got dtype ", dtype_name(s.scalar_type()), " and ",
                 num(s.numel()), " elements");
-    check_contiguous(p, kOp, p_name);
-    check_contiguous(g, kOp, g_name);
-    check_contiguous(m, kOp, m_name);
+    // any dense layout: the kernel walks the three tensors flat, in their (shared) memory order
+    check_dense(p, kOp, p_name);
     check_same_shape(g, p, kOp, g_name, p_name);
     check_same_shape(m, p, kOp, m_name, p_name);
+    check_same_layout(g, p, kOp, g_name, p_name);
+    check_same_layout(m, p, kOp, m_name, p_name);
 
     StepItem it;
     it.p = p.data_ptr();
@@ -102,7 +103,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     if (has_S) {
       const at::Tensor& S = *S_list[i];
       const at::Tensor& H = *H_list[i];
-      const std::string S_name = indexed("S_list", i), H_name = indexed("H_list", i);
+      const Entry S_name{"S_list", i}, H_name{"H_list", i};
       check_cuda_on(S, kOp, S_name, device, "params[0]");
       check_cuda_on(H, kOp, H_name, device, "params[0]");
       check_dtype(S, at::kFloat, kOp, S_name);
@@ -113,17 +114,18 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
       const int64_t off = col_offsets[i];
       TORCH_CHECK(nc >= 1 && nc <= std::numeric_limits<int32_t>::max(), kOp, "ncols[", num(i),
                   "] must lie in [1, 2^31), got ", num(nc));
-      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, p_name, " has ", num(p.numel()), " elements but len(", S_name,
-                  ") * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
+      TORCH_CHECK(p.numel() == S.numel() * nc, kOp, name_of(p_name), " has ", num(p.numel()), " elements but len(",
+                  name_of(S_name), ") * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
       TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", num(i), "] + ncols[", num(i), "] = ",
-                  num(off), " + ", num(nc), " exceeds len(", H_name, ") = ", num(H.numel()));
+                  num(off), " + ", num(nc), " exceeds len(", name_of(H_name), ") = ", num(H.numel()));
       if (p.numel() > 0) {
         it.S = S.data_ptr<float>();
         it.H = H.data_ptr<float>() + off;
         it.ncols = static_cast<int32_t>(nc);
       }
     }
-    TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <= std::numeric_limits<int32_t>::max(), kOp, p_name,
+    TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <= std::numeric_limits<int32_t>::max(), kOp,
+                name_of(p_name),
                 " is too large (", num(it.numel), " elements)");
     items.push_back(it);
   }

@@ -13,8 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         R"doc(Fused AdaFisher / AdaFisherW step, in place, on the current CUDA stream.
 
 All tensors on one CUDA device.  params and grads share one dtype (float32, float16
-or bfloat16); exp_avgs are all in that dtype or all float32; every tensor is
-contiguous; steps[i] is a float32 one-element device tensor (incremented by 1).
+or bfloat16); exp_avgs are all in that dtype or all float32; every parameter is dense
+(contiguous, or non-overlapping and dense: channels_last), its gradient and momentum
+laid out alike, and the three are walked flat in memory order; steps[i] is a float32
+one-element device tensor (incremented by 1).
 S_list[i] / H_list[i] are parameter i's float32 contiguous 1-D factor vectors, or
 None when it has no factors (F = 1); parameter i is then viewed as a
 (len(S_list[i]), ncols[i]) matrix reading H_list[i][col_offsets[i]:col_offsets[i] +

@@ -15,6 +15,8 @@ namespace lightning_cafin {
 
 // Threads per block of every capture kernel.
 constexpr int kCaptureBlock = 256;
+// Rows each thread of the channels-innermost kernel keeps in flight.
+constexpr int kRowsUnroll = 4;
 // Layers per launch of the factor-update kernel (its by-value list, multi_tensor_launch.cuh).
 constexpr int kFactorMaxLayers = 56;
 
@@ -62,6 +64,14 @@ struct ChannelArgs {
   int apply_post;
   float post_mul;
 };
+
+// The channels-innermost kernel's grid: `lanes` threads per row (a power of two, at most
+// 32) of `vec`-channel vectors, and `tiles` blocks along the channels.
+struct ChannelRowsShape {
+  int lanes;
+  int64_t tiles;
+};
+ChannelRowsShape channel_rows_shape(int64_t O, int vec);
 
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
                                  int nsplit, float* ws, unsigned* counters, float* out,

@@ -227,12 +227,14 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
-  const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());  // see conv_input_stats
+  // Enough blocks to fill every SM (8 blocks of kCaptureBlock threads each: memory-bound
+  // reads need every warp the SM can hold), each still with several passes of work.
+  const int64_t target = 8 * static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
   if (rows) {
-    const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
-    const int64_t gx = ceil_div(O, 32 * vec);
-    nsplit = clamp64(ceil_div(target, gx), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, 64)));
+    const ChannelRowsShape shape = channel_rows_shape(O, 16 / static_cast<int>(t.element_size()));
+    const int64_t rows_per_split = 2 * kRowsUnroll * (kCaptureBlock / shape.lanes);
+    nsplit = clamp64(ceil_div(target, shape.tiles), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, rows_per_split)));
   } else {
     nsplit = clamp64(ceil_div(target, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
   }
@@ -263,11 +265,11 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
   check_cuda(h[0], kFac, "h[0]");
   const c10::Device device = h[0].device();
   auto check_vec = [&](const at::Tensor& t, const char* list, int64_t i) {
-    const std::string name = indexed(list, i);
+    const Entry name{list, i};
     check_cuda_on(t, kFac, name, device, "h[0]");
     check_dtype(t, at::kFloat, kFac, name);
     check_contiguous_1d(t, kFac, name);
-    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name, " has ",
+    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name_of(name), " has ",
                 num(t.numel()), " elements");
   };
   std::vector<FactorItem> items(L);

@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
   if (PV >= kCaptureBlock / 2) {  // long rows: rows outer, threads along the row
     for (int64_t r = a0; r < a1; ++r) {
       const T* row = base + r * a.sa;
+#pragma unroll 4
       for (int64_t e = threadIdx.x; e < PV; e += kCaptureBlock) {
         float v[V];
         load_vec<V>(v, row + e * V);
@@ -209,6 +210,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
     }
   } else {  // short rows: threads over (row, element) flattened
     const int64_t n = (a1 - a0) * PV;
+#pragma unroll 4
     for (int64_t e = threadIdx.x; e < n; e += kCaptureBlock) {
       const int64_t r = e / PV;
       const int64_t k = e - r * PV;
@@ -228,56 +230,81 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 }
 
 // ---------------------------------------------------------------------------
-// Per-channel statistics, channels innermost (so == 1): a (32 x 8) block covers 32*V
-// channels; rows r over (a, p), offset a*sa + p*sp.
+// Per-channel statistics, channels innermost (so == 1): block (channel tile, split).
+// `lanes` threads (a power of two, the fewest that span the channels, at most 32) cover
+// a row's `lanes * V` channels of the tile, so a warp reads 32 / lanes rows at once and
+// narrow rows (64 bf16 channels: 8 vectors) keep every lane busy; each thread keeps
+// kRowsUnroll rows in flight.  Rows r run over (a, p), offset a*sa + p*sp.
 // ---------------------------------------------------------------------------
-constexpr int kRowsY = kCaptureBlock / 32;
-
 template <typename T, int V>
 __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
-                                                                     int nsplit, float* __restrict__ partials,
+                                                                     int lanes, int nsplit,
+                                                                     float* __restrict__ partials,
                                                                      unsigned* __restrict__ counters,
                                                                      float* __restrict__ dst) {
-  __shared__ float smem[kRowsY][32 * V + 1];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int64_t o = (static_cast<int64_t>(blockIdx.x) * 32 + tx) * V;
-  const int split = blockIdx.y;
-  const Range rr = split_range(a.A * a.P, nsplit, split);
-  const int64_t r0 = rr.lo, r1 = rr.hi;
+  __shared__ float smem[kCaptureBlock * V];
+  const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
+  const int pass = kCaptureBlock / lanes;  // rows per block pass
+  const int width = lanes * V;             // channels per tile
+  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * width;
+  const int64_t o = tile0 + static_cast<int64_t>(cl) * V;
+  const Range rr = split_range(a.A * a.P, nsplit, blockIdx.y);
   float acc[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
   if (o < a.O) {
     const bool flat = a.P == 1 || a.sa == a.P * a.sp;
     const int64_t rs = a.P == 1 ? a.sa : a.sp;
-    for (int64_t r = r0 + ty; r < r1; r += kRowsY) {
-      const int64_t off = flat ? r * rs : (r / a.P) * a.sa + (r % a.P) * a.sp;
-      float v[V];
-      load_vec<V>(v, t + off + o);
+    for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kRowsUnroll) {
+      float v[kRowsUnroll][V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
-    }
-  }
+      for (int u = 0; u < kRowsUnroll; ++u) {
+        const int64_t q = r + static_cast<int64_t>(u) * pass;
+        if (q < rr.hi) {
+          load_vec<V>(v[u], t + (flat ? q * rs : (q / a.P) * a.sa + (q % a.P) * a.sp) + o);
+        } else {
 #pragma unroll
-  for (int j = 0; j < V; ++j) smem[ty][tx * V + j] = acc[j];
-  __syncthreads();
-  if (ty == 0 && o < a.O) {
+          for (int j = 0; j < V; ++j) v[u][j] = 0.f;
+        }
+      }
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      float s = 0.f;
+      for (int u = 0; u < kRowsUnroll; ++u) {
 #pragma unroll
-      for (int y = 0; y < kRowsY; ++y) s += smem[y][tx * V + j];
-      if (nsplit == 1) {
-        dst[o + j] = finish(a, s);
-      } else {
-        partials[static_cast<int64_t>(split) * a.O + o + j] = s;
+        for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[u][j], v[u][j], acc[j]) : acc[j] + v[u][j];
       }
     }
   }
-  if (nsplit == 1) return;
-  if (finished_last(counters + blockIdx.x, nsplit) && ty == 0 && o < a.O) {
+  // smem[ry * width + cl * V + j]: thread c < width sums column c over the pass's rows, in order
 #pragma unroll
-    for (int j = 0; j < V; ++j) dst[o + j] = finish(a, sum_partials(partials + o + j, nsplit, a.O));
+  for (int j = 0; j < V; ++j) smem[threadIdx.x * V + j] = acc[j];
+  __syncthreads();
+  const int c = threadIdx.x;
+  float s = 0.f;
+  if (c < width) {
+    for (int y = 0; y < pass; ++y) s += smem[y * width + c];
+  }
+  const bool mine = c < width && tile0 + c < a.O;
+  if (nsplit == 1) {
+    if (mine) dst[tile0 + c] = finish(a, s);
+    return;
+  }
+  if (mine) partials[static_cast<int64_t>(blockIdx.y) * a.O + tile0 + c] = s;
+  if (!finished_last(counters + blockIdx.x, nsplit)) return;
+  // the last block sums the splits: `groups` threads per column take every groups-th split,
+  // then thread c adds the groups in order (a fixed order: deterministic)
+  const int groups = kCaptureBlock / width;
+  const int g = threadIdx.x / width, cc = threadIdx.x % width;
+  float part = 0.f;
+  if (tile0 + cc < a.O) {
+    for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
+  }
+  __syncthreads();  // every thread is done with the pass sums in smem
+  smem[threadIdx.x] = part;
+  __syncthreads();
+  if (mine) {
+    float total = 0.f;
+    for (int k = 0; k < groups; ++k) total += smem[k * width + c];
+    dst[tile0 + c] = finish(a, total);
   }
 }
 
@@ -396,13 +423,14 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList
 // ---------------------------------------------------------------------------
 inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kCaptureBlock - 1) / kCaptureBlock); }
 
-// Blocks along x of the channels-innermost kernel: 32 threads of vec channels each.
-inline unsigned channel_rows_tiles(int64_t O, int vec) {
-  const int64_t tile = 32 * static_cast<int64_t>(vec);
-  return static_cast<unsigned>((O + tile - 1) / tile);
-}
-
 }  // namespace
+
+ChannelRowsShape channel_rows_shape(int64_t O, int vec) {
+  const int64_t vectors = (O + vec - 1) / vec;
+  int lanes = 1;
+  while (lanes < 32 && lanes < vectors) lanes *= 2;
+  return {lanes, (vectors + lanes - 1) / lanes};
+}
 
 int capture_sm_count() {
   static std::mutex mu;
@@ -451,11 +479,12 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
     if (rows_kernel) {
       // channels innermost: vectors along the channels
       const bool vec = a.O % kV == 0 && a.sa % kV == 0 && (a.P == 1 || a.sp % kV == 0) && is_aligned16(t);
-      const dim3 grid(channel_rows_tiles(a.O, vec ? kV : 1), nsplit);
+      const ChannelRowsShape shape = channel_rows_shape(a.O, vec ? kV : 1);
+      const dim3 grid(static_cast<unsigned>(shape.tiles), nsplit);
       if (vec) {
-        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
+        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
       } else {
-        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
+        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
       }
     } else {
       const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import StepBackend, StepBatch, StepHyper
-from .layout import flat, layout_reason, memory_columns, permuted_factor
+from .layout import layout_reason, memory_columns, permuted_factor
 from .state import ensure_state
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,8 +57,6 @@ class KernelGroup:
     H: list[Optional[Tensor]] = field(default_factory=list)
     col_offsets: list[int] = field(default_factory=list)
     ncols: list[int] = field(default_factory=list)
-    #: entries whose gradient is passed as the flat view of its storage (not row-major contiguous)
-    flat_grad: list[bool] = field(default_factory=list)
     #: entries reading a memory-ordered copy of ``H``: (entry, the live ``H``, column offset, order on the device)
     permuted: list[tuple[int, Tensor, int, Tensor]] = field(default_factory=list)
     #: the factors version the copies in ``permuted`` were made from
@@ -135,10 +133,9 @@ class FusedBackend(StepBackend):
                 group = groups[gkey] = KernelGroup(p.device)
             in_memory_order = not p.is_contiguous()  # a dense layout: walked flat, F through permuted columns
             group.index.append(i)
-            group.params.append(flat(p) if in_memory_order else p)
-            group.exp_avgs.append(flat(m) if in_memory_order else m)
+            group.params.append(p)
+            group.exp_avgs.append(m)
             group.steps.append(k)
-            group.flat_grad.append(in_memory_order)
             if view is None:
                 group.S.append(None)
                 group.H.append(None)
@@ -156,9 +153,10 @@ class FusedBackend(StepBackend):
                     order = memory_columns(p).to(p.device)
                     group.permuted.append((len(group.H), view.H, int(view.col_offset), order))
                     group.H.append(permuted_factor(view.H, int(view.col_offset), order))
+                    group.col_offsets.append(0)  # the copy holds the parameter's segment alone
                 else:
                     group.H.append(view.H)
-                group.col_offsets.append(int(view.col_offset))
+                    group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
         for group in groups.values():
             group.factors_version = batch.factors_version
@@ -200,7 +198,7 @@ class FusedBackend(StepBackend):
     def _launch(self, group: KernelGroup, grads: list[Tensor], s: KernelScalars) -> None:
         self._ext.adafisher_step_(
             group.params,
-            [flat(grads[i]) if f else grads[i] for i, f in zip(group.index, group.flat_grad)],
+            [grads[i] for i in group.index],
             group.exp_avgs,
             group.steps,
             group.S,

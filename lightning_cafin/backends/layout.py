@@ -3,13 +3,15 @@
 The kernel walks a parameter as a flat row-major ``(rows, ncols)`` array and reads
 ``F[f] = S[f // ncols] * H[col_offset + f % ncols] + Lambda``.  A parameter in another
 dense memory order (channels_last conv weights: strides ordered ``o, kh, kw, C``) is
-handed over as the flat view of its storage, in memory order.  As long as dim 0 stays
+handed over as it is, and the op walks it flat, in memory order.  As long as dim 0 stays
 outermost, each row is still one contiguous block, so only the column order within a
 row differs from the logical one; the kernel stays the same when it is given a copy
-of ``H`` whose segment is permuted to memory order (``H_mem[j_mem] = H[j_logical]``),
+of the parameter's segment of ``H`` permuted to memory order (``H_mem[j_mem] =
+H[col_offset + j_logical]``, read from offset 0),
 rewritten in place whenever the factors change (the order itself is made once, on the
-device: a host-to-device copy per capture step would wait for the GPU).  The parameter's gradient and momentum must have
-the same strides (momentum is created in the parameter's memory format).
+device: a host-to-device copy per capture step would wait for the GPU).  The
+parameter's gradient and momentum must have the same strides (momentum is created in
+the parameter's memory format).
 """
 
 from __future__ import annotations
@@ -58,13 +60,6 @@ def layout_reason(param: Tensor, grad: Optional[Tensor] = None) -> Optional[str]
     return None
 
 
-def flat(t: Tensor) -> Tensor:
-    """The 1-D view of a dense tensor's storage span, in memory order (``t`` itself when 1-D contiguous)."""
-    if t.dim() == 1 and t.is_contiguous():
-        return t
-    return t.as_strided((t.numel(),), (1,))
-
-
 def memory_columns(t: Tensor) -> Tensor:
     """For a parameter with dim 0 outermost: ``perm[j_mem] = j_logical`` over one row's columns."""
     rest_shape, rest_strides = tuple(t.shape[1:]), tuple(t.stride()[1:])
@@ -76,10 +71,10 @@ def memory_columns(t: Tensor) -> Tensor:
 
 
 def permuted_factor(H: Tensor, col_offset: int, perm: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """A copy of ``H`` whose ``[col_offset, col_offset + len(perm))`` segment is in memory order
-    (written into ``out`` when given, so a kept buffer is refreshed in place)."""
-    dest = torch.empty_like(H) if out is None or out.shape != H.shape or out.device != H.device else out
-    dest.copy_(H)
+    """The parameter's segment ``H[col_offset : col_offset + len(perm)]`` in memory order
+    (read from offset 0; written into ``out`` when given, so a kept buffer is refreshed
+    in place by one gather)."""
     segment = H[col_offset : col_offset + perm.numel()]
-    torch.index_select(segment, 0, perm.to(H.device), out=dest[col_offset : col_offset + perm.numel()])
-    return dest
+    if out is None or out.shape != perm.shape or out.device != H.device or out.dtype != H.dtype:
+        out = torch.empty(perm.shape, dtype=H.dtype, device=H.device)
+    return torch.index_select(segment, 0, perm.to(H.device), out=out)

@@ -154,9 +154,8 @@ class _KernelJob:
     init: bool
 
 
-def _kernel_job(cap: LayerCapture, pending: PendingStats, plan: KernelPlan,
+def _kernel_job(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
                 grad_scale: Optional[float]) -> _KernelJob:
-    h, s = pending.sums()
     nH, ns = plan.h_size(h), s.numel()
     init = (cap.H is None or cap.S is None or cap.H.shape != (nH,) or cap.S.shape != (ns,)
             or cap.H.dtype != torch.float32)
@@ -173,8 +172,9 @@ def _kernel_job(cap: LayerCapture, pending: PendingStats, plan: KernelPlan,
     return _KernelJob(cap, h.contiguous(), s.contiguous(), H, S, plan, flags, float(pending.sn), float(scale), init)
 
 
-def _kernel_ready(cap: LayerCapture, pending: PendingStats) -> bool:
-    h, s = pending.sums()  # which devices the kernels take is ext_for's decision
+def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats) -> bool:
+    """Whether the batched factor kernel can take this layer's sums ``h``, ``s`` (which
+    devices the kernels take is ``ext_for``'s decision)."""
     if not (h.dtype == torch.float32 and s.dtype == torch.float32):
         return False
     if h.dim() != 1 or s.dim() != 1 or h.numel() == 0 or s.numel() == 0:
@@ -209,9 +209,9 @@ def update_factors(
             report.not_fired.append(cap.name)
             continue
         h, s = pending.sums()
-        plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, pending) else None
+        plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, h, s, pending) else None
         if plan is not None and _kernels.ext_for(h) is not None:
-            jobs.append(_kernel_job(cap, pending, plan, grad_scale))
+            jobs.append(_kernel_job(cap, h, s, pending, plan, grad_scale))
             report.record(cap.name, None)
             continue
         if grad_scale is not None and grad_scale != 1.0:

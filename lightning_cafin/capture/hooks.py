@@ -65,6 +65,8 @@ class PendingStats:
         self._more: list[tuple[Tensor, Tensor]] = []
 
     def _fold(self) -> None:
+        if not self._more:
+            return
         for h, s in self._more:
             self._h = h if self._h is None else self._h + h
             self._s = s if self._s is None else self._s + s

@@ -17,9 +17,21 @@ from torch import nn
 from lightning_cafin import AdaFisher, AdaFisherW
 from lightning_cafin.backends.base import FactorView
 from lightning_cafin.backends.fused import FusedBackend
-from lightning_cafin.backends.layout import flat, layout_reason, memory_columns, permuted_factor
+from lightning_cafin.backends.layout import dense_in_memory, layout_reason, memory_columns, permuted_factor
 
 D = torch.float64
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of a dense tensor's storage span, in memory order (as the kernel walks it)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def in_memory_order(view: FactorView, p: torch.Tensor) -> torch.Tensor:
+    """The logical F of ``view`` laid out as ``p``, read flat in memory order."""
+    laid_out = torch.empty_like(p)
+    laid_out.copy_(view.fisher(1e-3, p.shape))
+    return flat(laid_out)
 
 
 def kernel_fisher(S, H_mem, col_offset, ncols, Lambda, numel):
@@ -42,15 +54,17 @@ def test_permuted_columns_give_the_logical_fisher_in_memory_order(layout):
     rows, ncols = p.shape[0], p.numel() // p.shape[0]
     S = torch.rand(rows, dtype=D)
     H = torch.rand(ncols + 1, dtype=D)  # a bias column after the weight's, as a conv layer has
-    logical = FactorView(S, H, 0, ncols).fisher(1e-3, p.shape)
-    laid_out = torch.empty_like(p)
-    laid_out.copy_(logical)
     H_mem = permuted_factor(H, 0, memory_columns(p))
     assert layout_reason(p) is None
-    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), flat(laid_out))
-    assert H_mem[ncols] == H[ncols]  # the bias column is untouched
+    assert H_mem.shape == (ncols,)  # the weight's segment alone (the bias column is not its)
+    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), in_memory_order(FactorView(S, H, 0, ncols), p))
     if layout == "contiguous":
-        assert torch.equal(H_mem, H)
+        assert torch.equal(H_mem, H[:ncols])
+    # a kept buffer is refreshed in place, from a segment at an offset
+    H2 = torch.rand(ncols + 3, dtype=D)
+    again = permuted_factor(H2, 3, memory_columns(p), out=H_mem)
+    assert again.data_ptr() == H_mem.data_ptr()
+    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), in_memory_order(FactorView(S, H2, 3, ncols), p))
 
 
 def test_layouts_the_kernel_cannot_walk_are_named():
@@ -63,17 +77,21 @@ def test_layouts_the_kernel_cannot_walk_are_named():
 
 
 class StandInExtension:
-    """``adafisher_step_`` as the kernel computes it, in torch, with the op's contiguity checks."""
+    """``adafisher_step_`` as the kernel computes it, in torch, with the op's layout checks:
+    every tensor dense, the gradient and momentum laid out as the parameter, all three
+    walked flat in memory order."""
 
     def adafisher_step_(self, params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols, lr, beta, Lambda,
                         wd, decoupled, grad_scale, found_inf, lr_tensor):
         if found_inf is not None and found_inf.item() != 0:
             return
         for p, g, m, k, S, H, off, nc in zip(params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols):
-            for name, t in (("param", p), ("grad", g), ("exp_avg", m)):
-                assert t.is_contiguous(), f"the op refuses a non-contiguous {name}"
-            g = g.reshape(-1) / grad_scale if grad_scale is not None else g.reshape(-1)
-            pf, mf = p.view(-1), m.view(-1)
+            assert p.is_contiguous() or dense_in_memory(p), "the op refuses a param that is not dense"
+            for name, t in (("grad", g), ("exp_avg", m)):
+                alike = t.is_contiguous() if p.is_contiguous() else t.stride() == p.stride()
+                assert alike and t.shape == p.shape, f"the op refuses a {name} laid out unlike its param"
+            g = flat(g) / grad_scale if grad_scale is not None else flat(g)
+            pf, mf = flat(p), flat(m)
             k += 1
             bc = 1 - beta ** float(k)
             F = torch.ones_like(pf) if S is None else kernel_fisher(S, H, off, nc, Lambda, pf.numel()).to(pf.dtype)

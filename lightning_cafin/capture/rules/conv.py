@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..._conv import conv_output_size, conv_pads, conv_padding, pad_like_conv
+from ..._conv import call_geometry, conv_padding, pad_like_conv
 from .. import kernels as _kernels
 from .. import streams as _streams
 from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
@@ -65,10 +65,11 @@ class ConvRule(LayerRule):
         nd = len(module.kernel_size)
         if x.dim() == nd + 1:  # unbatched input
             x = x.unsqueeze(0)
-        B = x.shape[0]
-        out_size = conv_output_size(module, tuple(x.shape[2:]))
-        count = float(B * math.prod(out_size) * conv_columns(module))
-        h = self._kernel_input_sums(module, x, out_size) if nd in (1, 2) else None
+        shape = x.shape
+        pads, out_size, positions = call_geometry(module.kernel_size, module.stride, module.padding, module.dilation,
+                                                  tuple(shape[2:]))
+        count = float(shape[0] * positions * conv_columns(module))
+        h = self._kernel_input_sums(module, x, out_size, pads) if nd in (1, 2) else None
         if h is not None:
             return h, count
         if nd == 2:
@@ -76,15 +77,15 @@ class ConvRule(LayerRule):
         return self._taps_nd(module, x, out_size), count
 
     @staticmethod
-    def _kernel_input_sums(module: _ConvNd, x: Tensor, out_size: tuple[int, ...]) -> Optional[Tensor]:
+    def _kernel_input_sums(module: _ConvNd, x: Tensor, out_size: tuple[int, ...],
+                           pads: tuple[int, ...]) -> Optional[Tensor]:
         ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
         if ext is None:
             return None
-        pads = [before for before, _ in conv_pads(module)]
-        ks, st, dl = list(module.kernel_size), list(module.stride), list(module.dilation)
+        ks, st, dl = module.kernel_size, module.stride, module.dilation
         if len(ks) == 1:  # a 1-D convolution is a 2-D one of height 1
-            x, pads, ks, st, dl, out_size = x.unsqueeze(2), [0] + pads, [1] + ks, [1] + st, [1] + dl, (1,) + out_size
-        return ext.conv_input_stats(x, ks, st, pads, dl, module.groups, list(out_size), _streams.side())
+            x, pads, ks, st, dl, out_size = x.unsqueeze(2), (0,) + pads, (1,) + ks, (1,) + st, (1,) + dl, (1,) + out_size
+        return ext.conv_input_stats(x, ks, st, pads, dl, module.groups, out_size, _streams.side())
 
     @staticmethod
     def _taps_2d(module: _ConvNd, x: Tensor) -> Tensor:
