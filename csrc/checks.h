@@ -110,8 +110,8 @@ void check_dense(const at::Tensor& t, const char* op, const N& name) {
 template <typename N, typename L>
 void check_same_layout(const at::Tensor& t, const at::Tensor& like, const char* op, const N& name, const L& like_name) {
   TORCH_CHECK(like.is_contiguous() ? t.is_contiguous() : t.strides() == like.strides(), op, name_of(name),
-              " must be laid out as ", name_of(like_name), " (strides ", dims_str(t.strides()), " vs ",
-              dims_str(like.strides()), ")");
+              like.is_contiguous() ? " must be contiguous, as " : " must have the strides of ", name_of(like_name),
+              " (strides ", dims_str(t.strides()), " vs ", dims_str(like.strides()), ")");
 }
 
 template <typename N, typename L>

@@ -618,6 +618,11 @@ def test_clear_errors(ext):
         op([p], [torch.randn(5, 4, device=DEV)], [p.clone()], [k], [None], [None], [0], [1], **args)
     with pytest.raises(RuntimeError, match=r"grads\[0\].*contiguous"):
         op([p], [torch.randn(5, 4, device=DEV).t()], [p.clone()], [k], [None], [None], [0], [1], **args)
+    w = torch.randn(4, 3, 2, 2, device=DEV).contiguous(memory_format=torch.channels_last)  # dense, not contiguous
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must have the strides of params\[0\]"):
+        op([w], [torch.randn_like(w)], [w.contiguous()], [k], [None], [None], [0], [1], **args)
+    with pytest.raises(RuntimeError, match=r"params\[0\] must be dense"):
+        op([p[:, ::2]], [torch.randn(4, 3, device=DEV)], [p[:, ::2].clone()], [k], [None], [None], [0], [1], **args)
     with pytest.raises(RuntimeError, match=r"grads\[0\]"):
         op([p], [p.clone().half()], [p.clone()], [k], [None], [None], [0], [1], **args)
     with pytest.raises(RuntimeError, match=r"S_list\[0\]"):
