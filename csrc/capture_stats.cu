@@ -296,6 +296,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
   const int g = threadIdx.x / width, cc = threadIdx.x % width;
   float part = 0.f;
   if (tile0 + cc < a.O) {
+#pragma unroll 8
     for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
   }
   __syncthreads();  // every thread is done with the pass sums in smem
