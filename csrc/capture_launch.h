@@ -16,7 +16,7 @@ namespace lightning_cafin {
 // Threads per block of every capture kernel.
 constexpr int kCaptureBlock = 256;
 // Rows each thread of the channels-innermost kernel keeps in flight.
-constexpr int kRowsUnroll = 4;
+constexpr int kRowsUnroll = 8;
 // Layers per launch of the factor-update kernel (its by-value list, multi_tensor_launch.cuh).
 constexpr int kFactorMaxLayers = 56;
 

@@ -290,17 +290,42 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
   }
   if (mine) partials[static_cast<int64_t>(blockIdx.y) * a.O + tile0 + c] = s;
   if (!finished_last(counters + blockIdx.x, nsplit)) return;
-  // the last block sums the splits: `groups` threads per column take every groups-th split,
-  // then thread c adds the groups in order (a fixed order: deterministic)
-  const int groups = kCaptureBlock / width;
-  const int g = threadIdx.x / width, cc = threadIdx.x % width;
-  float part = 0.f;
-  if (tile0 + cc < a.O) {
-#pragma unroll 8
-    for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
-  }
+  // The last block sums the splits: `groups` threads per column (or per four columns, read
+  // as one float4 where the rows allow) take every groups-th split, then thread c adds the
+  // groups in order (a fixed order: deterministic).  Its loads are what the launch waits
+  // for at the end, so as many are kept in flight as the block can.
   __syncthreads();  // every thread is done with the pass sums in smem
-  smem[threadIdx.x] = part;
+  int groups;
+  if (V >= 4 && a.O % 4 == 0) {  // smem holds kCaptureBlock * V >= groups * width floats
+    const int quads = width / 4;
+    groups = kCaptureBlock / quads;
+    const int g = threadIdx.x / quads, q = threadIdx.x % quads;
+    float4 part = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (tile0 + 4 * q < a.O) {
+#pragma unroll 8
+      for (int k = g; k < nsplit; k += groups) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(partials + static_cast<int64_t>(k) * a.O + tile0 + 4 * q));
+        part.x += v.x;
+        part.y += v.y;
+        part.z += v.z;
+        part.w += v.w;
+      }
+    }
+    float* slot = smem + g * width + 4 * q;
+    slot[0] = part.x;
+    slot[1] = part.y;
+    slot[2] = part.z;
+    slot[3] = part.w;
+  } else {
+    groups = kCaptureBlock / width;
+    const int g = threadIdx.x / width, cc = threadIdx.x % width;
+    float part = 0.f;
+    if (tile0 + cc < a.O) {
+#pragma unroll 8
+      for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
+    }
+    smem[threadIdx.x] = part;
+  }
   __syncthreads();
   if (mine) {
     float total = 0.f;
