@@ -133,6 +133,8 @@ class WithBatchNorm(LightningModule):
         return AdaFisher(self.parameters(), TCov=2)
 
     def on_train_end(self) -> None:
+        # read before the strategy's teardown, which reverts SyncBatchNorm to a plain batch norm
+        self.norm_type = type(self.net[1]).__name__
         self.summary = self.trainer.optimizers[0].summary()
 
 
@@ -142,7 +144,7 @@ def _sync_batchnorm_worker(rank: int, port: int, out: str) -> None:
     Trainer(default_root_dir=out, accelerator="gpu", devices=1, strategy="ddp", sync_batchnorm=True, max_steps=4,
             callbacks=[CAFINCallback(backend="foreach", divergence_every_n_steps=0)], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(model, data())
-    torch.save({"norm": type(model.net[1]).__name__, "summary": model.summary}, os.path.join(out, "sync.pt"))
+    torch.save({"norm": model.norm_type, "summary": model.summary}, os.path.join(out, "sync.pt"))
 
 
 @pytest.mark.cuda
