@@ -228,9 +228,9 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
   // Blocks per SM: the rows kernel keeps kRowsUnroll 16-byte loads in flight per thread,
-  // so two blocks per SM keep 64 KiB in flight (what the memory needs), and every further split lengthens its
-  // last block's sum of the partials; the middle kernel keeps fewer loads in flight and
-  // sums only one partial per split.
+  // so two blocks per SM keep 64 KiB in flight (what the memory needs), and every further
+  // split lengthens its last block's sum of the partials; the middle kernel keeps fewer
+  // loads in flight and sums only one partial per split.
   const int64_t sms = static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
   if (rows) {
