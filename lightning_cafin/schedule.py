@@ -50,7 +50,10 @@ class CaptureSchedule:
 
     def settle(self) -> None:
         """Count the skip flags that have arrived; wait for the others only where they
-        decide whether the next step captures (about once per ``every`` steps)."""
+        decide whether the next step captures (about once per ``every`` steps).  Every
+        captured layer's forward hook asks this, so with no flag in flight it returns at once."""
+        if not self._deferred.in_flight:
+            return
         self._count(self._deferred.poll())
         unsure = self._deferred.in_flight  # each of these steps may yet turn out skipped
         if unsure and not self._forced and (self.steps_taken // self.every) * self.every >= self.steps_taken - unsure:
