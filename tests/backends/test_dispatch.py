@@ -92,6 +92,30 @@ def test_channels_last_weight_falls_back_with_the_reason_and_matches_the_oracle(
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_replaced_factor_tensor_is_planned_again_and_read_by_the_step():
+    # the plan keeps views of the factors while they are updated in place; a factor tensor
+    # replaced by another (a reload with new shapes, a re-initialisation) must not leave the
+    # step reading the orphan
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    opt = AdaFisher(model, TCov=1000, backend="foreach")
+    stand_in = StandInFused()
+    opt.set_backend(stand_in)
+    ref = AdaFisher(twin, TCov=1000, backend="reference")
+    run(opt, model, 2)
+    run(ref, twin, 2)
+    planned = stand_in.prepared
+    cap, ref_cap = opt.binding.captures["head"], ref.binding.captures["head"]
+    cap.S = cap.S * 3.0  # another tensor: the plan's view of the old one is stale
+    ref_cap.S = ref_cap.S * 3.0
+    run(opt, model, 1, seed=5)
+    run(ref, twin, 1, seed=5)
+    assert stand_in.prepared == planned + 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_plan_groups_by_backend_device_and_dtype_once_and_is_cached():
     stand_in = StandInFused()
     dispatch = StepDispatcher(stand_in, ForeachBackend())
