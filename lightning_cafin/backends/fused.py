@@ -130,7 +130,7 @@ class FusedBackend(StepBackend):
             gkey = (p.device, p.dtype, m.dtype)
             group = groups.get(gkey)
             if group is None:
-                group = groups[gkey] = KernelGroup(p.device)
+                group = groups[gkey] = KernelGroup(p.device, factors_version=batch.factors_version)
             in_memory_order = not p.is_contiguous()  # a dense layout: walked flat, F through permuted columns
             group.index.append(i)
             group.params.append(p)
@@ -158,8 +158,6 @@ class FusedBackend(StepBackend):
                     group.H.append(view.H)
                     group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
-        for group in groups.values():
-            group.factors_version = batch.factors_version
         return list(groups.values())
 
     # ------------------------------------------------------------------- step

@@ -1,5 +1,6 @@
 """The README's results section: generated from measured files, refused without provenance."""
 
+import functools
 import json
 
 import pytest
@@ -9,6 +10,11 @@ from .test_convergence import _fake_run, write_runs
 
 readme = load("results_readme")
 study = load("convergence")
+
+
+def spread_around(median: float, n: int) -> dict:
+    """A bench spread: ``median`` with p10 / p90 0.1 either side, over ``n`` samples."""
+    return {"median": median, "p10": median - 0.1, "p90": median + 0.1, "n": n}
 
 
 def _convergence_file(tmp_path):
@@ -118,7 +124,7 @@ def _with_callback(tmp_path, callback):
 
 
 def test_the_callback_cost_is_rendered_with_its_verdicts(tmp_path):
-    sp = lambda m: {"median": m, "p10": m - 0.1, "p90": m + 0.1, "n": 40}
+    sp = functools.partial(spread_around, n=40)
     callback = {
         "description": "a toy in a Lightning Trainer", "backend": "fused",
         "config": {"warmup": 100, "block": 10, "blocks": 60, "count_steps": 100, "log_every_n_steps": 50, "TCov": 100},
@@ -159,7 +165,7 @@ def _with_compiled(tmp_path, compiled):
 
 
 def test_the_compiled_step_is_rendered_with_its_verdicts(tmp_path):
-    sp = lambda m: {"median": m, "p10": m - 0.1, "p90": m + 0.1, "n": 20}
+    sp = functools.partial(spread_around, n=20)
     goals = [{"figure": "compiled train step TCov=100 vs Adam", "value": 1.031, "unit": "x", "limit": 1.05, "met": True},
              {"figure": "same, median per-block ratio", "value": 1.02, "unit": "x", "limit": None, "met": None},
              {"figure": "graphs compiled while timed", "value": 1.0, "unit": "count", "limit": 0.0, "met": False}]

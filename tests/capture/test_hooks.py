@@ -8,6 +8,9 @@ the statistics run on a side stream, which must not change a single bit of the f
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,17 @@ from lightning_cafin.capture.hooks import LayerCapture, attach, detach
 from lightning_cafin.capture.layers import rule_for
 
 
+@contextlib.contextmanager
+def always_captured(layer: nn.Module) -> Iterator[LayerCapture]:
+    """``layer`` hooked for capture on every call inside the block, unhooked after it."""
+    cap = LayerCapture("fc", layer, rule_for(layer), lambda: True)
+    attach(cap)
+    try:
+        yield cap
+    finally:
+        detach(cap)
+
+
 @pytest.mark.parametrize("weight_trainable", [False, True])
 def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
     torch.manual_seed(0)
@@ -25,10 +39,8 @@ def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
     # saves it whatever requires grad, so it could not be modified in place at all)
     layer = nn.Linear(7, 5)
     layer.weight.requires_grad_(weight_trainable)
-    rule = rule_for(layer)
-    cap = LayerCapture("fc", layer, rule, lambda: True)
-    attach(cap)
-    try:
+    with always_captured(layer) as cap:
+        rule = cap.rule
         x = torch.randn(4, 7)
         want_h, want_hn = rule.input_partial(layer, x.clone())
         y = layer(x)
@@ -37,8 +49,6 @@ def test_input_statistics_see_the_input_of_the_forward(weight_trainable):
         grad = torch.randn_like(y)
         y.backward(grad)
         want_s, want_sn = rule.output_partial(layer, grad)
-    finally:
-        detach(cap)
     pending = cap.take_pending()
     assert pending.calls == 1
     torch.testing.assert_close(pending.h, want_h, rtol=1e-6, atol=0)
@@ -52,19 +62,14 @@ def test_a_layer_computing_on_an_autocast_copy_has_its_input_read_in_the_forward
     # holding it to the backward would keep a second activation alive)
     torch.manual_seed(0)
     layer = nn.Linear(7, 5)
-    rule = rule_for(layer)
-    cap = LayerCapture("fc", layer, rule, lambda: True)
-    attach(cap)
-    try:
+    with always_captured(layer) as cap:
         x = torch.randn(4, 7)
-        want_h, want_hn = rule.input_partial(layer, x.clone())
+        want_h, want_hn = cap.rule.input_partial(layer, x.clone())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = layer(x)
         assert y.dtype == torch.bfloat16
         x.mul_(3.0)  # legal: autograd saved the bfloat16 copy, not x
         y.float().square().sum().backward()
-    finally:
-        detach(cap)
     pending = cap.take_pending()
     assert pending.calls == 1 and pending.hn == want_hn
     torch.testing.assert_close(pending.h, want_h, rtol=1e-6, atol=0)
@@ -74,9 +79,7 @@ def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
     # autograd keeps a tensor hook as long as the graph (until the loss is dropped); a hook
     # still holding its layer's input would keep every activation to the end of the backward
     layer = nn.Linear(7, 5)
-    cap = LayerCapture("fc", layer, rule_for(layer), lambda: True)
-    attach(cap)
-    try:
+    with always_captured(layer) as cap:
         x = torch.randn(4, 7)
         held = x.untyped_storage()._weak_ref()
         y = layer(x)
@@ -86,8 +89,6 @@ def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
         assert cap.pending.calls == 1
         assert torch.UntypedStorage._expired(held), "the capture hook still holds the layer's input"
         assert loss.grad_fn is not None
-    finally:
-        detach(cap)
 
 
 @pytest.mark.cuda
