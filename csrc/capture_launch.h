@@ -39,9 +39,22 @@ struct ConvInputArgs {
   int kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo;
 };
 
+// Phase 2's grid along x: one block per weight column, or, for maps in (H, W, C) order
+// with one group and kernels of at most 3 x 3 (`by_channel`), one block per tile of
+// `lanes` channels (every tap of those channels), the kernel that reads such maps
+// coalesced.  Chunks along y cut the output positions (per column) or the map's
+// positions (per tile); the host sizes them from `work`, the positions a block row reads.
+struct WindowSumsShape {
+  bool by_channel;
+  int lanes;
+  int64_t blocks_x;
+  int64_t work;
+};
+WindowSumsShape window_sums_shape(const ConvInputArgs& a);
+
 // maps: nsplit * C*H*W floats (the batch-split partial maps, summed in split order by
-// phase 2); ws_cols: col_chunks * K floats and counters: K zeroed slots, both unused when
-// col_chunks == 1; out: K floats.  Two launches.
+// phase 2); ws_cols: col_chunks * K floats and counters: K zeroed slots (K = C/groups *
+// kh * kw, at least window_sums_shape's blocks_x), both unused when col_chunks == 1; out: K floats.  Two launches.
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
                                     int col_chunks, float* maps, float* ws_cols, unsigned* counters,
                                     float* out, cudaStream_t stream);

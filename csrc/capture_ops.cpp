@@ -157,13 +157,17 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
 
   // Grids of about two blocks per multiprocessor: the batch is split only where the
   // grid would otherwise be small (each split adds a partial map that phase 2 reads
-  // kh*kw times); column chunks are summed by their last block, in the same launch.
+  // once per tap, or once); phase 2's chunks are summed by their last block, in the same
+  // launch, and each reads at least 2048 positions (per column) or four passes of the
+  // block (per channel tile).
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
   const int64_t nsplit = clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64));
-  const int64_t per_col = groups * out_hw[0] * out_hw[1];
-  int64_t col_chunks = clamp64(ceil_div(target, K), 1, std::min<int64_t>(64, ceil_div(per_col, 2048)));
+  const WindowSumsShape phase2 = window_sums_shape(a);
+  const int64_t per_chunk = phase2.by_channel ? 4 * (kCaptureBlock / phase2.lanes) : 2048;
+  int64_t col_chunks =
+      clamp64(ceil_div(target, phase2.blocks_x), 1, std::min<int64_t>(64, ceil_div(phase2.work, per_chunk)));
 
   unsigned* counters = nullptr;
   if (col_chunks > 1 && (counters = counter_slots(x, K)) == nullptr) col_chunks = 1;

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -179,6 +180,93 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float*
 }
 
 // ---------------------------------------------------------------------------
+// Phase 2 for maps in (H, W, C) order (channels_last inputs), one group, kernels of at
+// most MAXK x MAXK: block (channel tile, position chunk).  The generic kernel above puts
+// its threads along the positions of one channel, which in this order reads one float in
+// every C: an uncoalesced gather of every map value once per tap.  Here `lanes` threads
+// (a power of two, the fewest that span the channels, at most 32) read one position's
+// channels side by side, a block covers kCaptureBlock / lanes positions per pass, and
+// every thread reads each map value once and adds it to the taps whose window covers it.
+// Partial sums per chunk are summed in chunk order by the chunk that finishes last.
+// ---------------------------------------------------------------------------
+template <int MAXK>
+__global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const float* __restrict__ maps, int nmaps,
+                                                                        ConvInputArgs a, int lanes, int chunks,
+                                                                        float* __restrict__ partials,
+                                                                        unsigned* __restrict__ counters,
+                                                                        float* __restrict__ dst) {
+  constexpr int kTaps = MAXK * MAXK;
+  __shared__ float smem[kCaptureBlock * kTaps];
+  const int taps = a.kh * a.kw;
+  const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
+  const int pass = kCaptureBlock / lanes;
+  const int C = static_cast<int>(a.C);
+  const int W = static_cast<int>(a.W);
+  const int c = blockIdx.x * lanes + cl;
+  const int64_t M = a.C * a.H * a.W;
+  const Range rp = split_range(a.H * a.W, chunks, blockIdx.y);
+  float acc[kTaps];
+#pragma unroll
+  for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
+  if (c < C) {
+    for (int e = static_cast<int>(rp.lo) + ry; e < rp.hi; e += pass) {
+      const int y = e / W, x = e - y * W;
+      // bit ki: row y is under tap row ki of some output row, y = oy*sh + ki*dh - pt
+      unsigned rows = 0u, cols = 0u;
+#pragma unroll
+      for (int k = 0; k < MAXK; ++k) {
+        const int ty = y + a.pt - k * a.dh, tx = x + a.pl - k * a.dw;
+        if (k < a.kh && ty >= 0 && ty % a.sh == 0 && ty / a.sh < a.Ho) rows |= 1u << k;
+        if (k < a.kw && tx >= 0 && tx % a.sw == 0 && tx / a.sw < a.Wo) cols |= 1u << k;
+      }
+      if (rows == 0u || cols == 0u) continue;
+      // the batch-split partial maps, summed in split order (nmaps == 1: the map itself)
+      const float* m = maps + static_cast<int64_t>(e) * C + c;
+      float v = 0.f;
+      for (int k = 0; k < nmaps; ++k) v += m[k * M];
+#pragma unroll
+      for (int ki = 0; ki < MAXK; ++ki) {
+#pragma unroll
+        for (int kj = 0; kj < MAXK; ++kj) {
+          if ((rows >> ki) & (cols >> kj) & 1u) acc[ki * MAXK + kj] += v;
+        }
+      }
+    }
+  }
+  // smem[(ry * kTaps + tap) * lanes + cl]; item t < lanes * taps (as many as 288, so a
+  // thread may take two) is one (channel, tap) summed over the pass's rows, in order
+#pragma unroll
+  for (int t = 0; t < kTaps; ++t) smem[(ry * kTaps + t) * lanes + cl] = acc[t];
+  __syncthreads();
+  const int items = lanes * taps;
+  const int64_t K = static_cast<int64_t>(C) * taps;
+  // item t: channel blockIdx.x * lanes + t % lanes, tap t / lanes = ki * kw + kj; column
+  // channel * taps + tap; false past the last channel
+  auto column = [&](int t, int64_t& col) {
+    const int ch = blockIdx.x * lanes + t % lanes;
+    col = static_cast<int64_t>(ch) * taps + t / lanes;
+    return ch < C;
+  };
+  for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
+    int64_t col;
+    if (!column(t, col)) continue;
+    const int tap = t / lanes, slot = (tap / a.kw) * MAXK + tap % a.kw;
+    float s = 0.f;
+    for (int y = 0; y < pass; ++y) s += smem[(y * kTaps + slot) * lanes + t % lanes];
+    if (chunks == 1) {
+      dst[col] = s;
+    } else {
+      partials[static_cast<int64_t>(blockIdx.y) * K + col] = s;
+    }
+  }
+  if (chunks == 1 || !finished_last(counters + blockIdx.x, chunks)) return;
+  for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
+    int64_t col;
+    if (column(t, col)) dst[col] = sum_partials(partials + col, chunks, K);
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Per-channel statistics, channels in the middle (sp == 1, P > 1): block (o, split).
 // ---------------------------------------------------------------------------
 // A channel's whole sum, times post_mul when asked (torch's division by a scalar).
@@ -234,17 +322,19 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 // `lanes` threads (a power of two, the fewest that span the channels, at most 32) cover
 // a row's `lanes * V` channels of the tile, so a warp reads 32 / lanes rows at once and
 // narrow rows (64 bf16 channels: 8 vectors) keep every lane busy; each thread keeps
-// kRowsUnroll rows in flight.  Rows r run over (a, p), offset a*sa + p*sp.
+// kUnroll rows in flight (kBlock and kUnroll are template arguments so that other
+// shapes can be measured against the defaults).  Rows r run over (a, p), offset
+// a*sa + p*sp.
 // ---------------------------------------------------------------------------
-template <typename T, int V>
-__global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
+template <typename T, int V, int kBlock = kCaptureBlock, int kUnroll = kRowsUnroll>
+__global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
                                                                      int lanes, int nsplit,
                                                                      float* __restrict__ partials,
                                                                      unsigned* __restrict__ counters,
                                                                      float* __restrict__ dst) {
-  __shared__ float smem[kCaptureBlock * V];
+  __shared__ float smem[kBlock * V];
   const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
-  const int pass = kCaptureBlock / lanes;  // rows per block pass
+  const int pass = kBlock / lanes;  // rows per block pass
   const int width = lanes * V;             // channels per tile
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * width;
   const int64_t o = tile0 + static_cast<int64_t>(cl) * V;
@@ -255,10 +345,10 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
   if (o < a.O) {
     const bool flat = a.P == 1 || a.sa == a.P * a.sp;
     const int64_t rs = a.P == 1 ? a.sa : a.sp;
-    for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kRowsUnroll) {
-      float v[kRowsUnroll][V];
+    for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kUnroll) {
+      float v[kUnroll][V];
 #pragma unroll
-      for (int u = 0; u < kRowsUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t q = r + static_cast<int64_t>(u) * pass;
         if (q < rr.hi) {
           load_vec<V>(v[u], t + (flat ? q * rs : (q / a.P) * a.sa + (q % a.P) * a.sp) + o);
@@ -268,7 +358,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
         }
       }
 #pragma unroll
-      for (int u = 0; u < kRowsUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
         for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[u][j], v[u][j], acc[j]) : acc[j] + v[u][j];
       }
@@ -296,9 +386,9 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
   // for at the end, so as many are kept in flight as the block can.
   __syncthreads();  // every thread is done with the pass sums in smem
   int groups;
-  if (V >= 4 && a.O % 4 == 0) {  // smem holds kCaptureBlock * V >= groups * width floats
+  if (V >= 4 && a.O % 4 == 0) {  // smem holds kBlock * V >= groups * width floats
     const int quads = width / 4;
-    groups = kCaptureBlock / quads;
+    groups = kBlock / quads;
     const int g = threadIdx.x / quads, q = threadIdx.x % quads;
     float4 part = make_float4(0.f, 0.f, 0.f, 0.f);
     if (tile0 + 4 * q < a.O) {
@@ -317,7 +407,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_rows_kernel(ChannelArgs
     slot[2] = part.z;
     slot[3] = part.w;
   } else {
-    groups = kCaptureBlock / width;
+    groups = kBlock / width;
     const int g = threadIdx.x / width, cc = threadIdx.x % width;
     float part = 0.f;
     if (tile0 + cc < a.O) {
@@ -473,6 +563,17 @@ int capture_sm_count() {
   return cache[dev];
 }
 
+WindowSumsShape window_sums_shape(const ConvInputArgs& a) {
+  const int64_t HW = a.H * a.W;
+  if (a.map_hwc && a.groups == 1 && a.kh <= 3 && a.kw <= 3 && a.C * HW <= std::numeric_limits<int32_t>::max()) {
+    int lanes = 1;
+    while (lanes < 32 && lanes < a.C) lanes *= 2;
+    return {true, lanes, (a.C + lanes - 1) / lanes, HW};
+  }
+  const int64_t K = (a.C / a.groups) * a.kh * a.kw;
+  return {false, 0, K, static_cast<int64_t>(a.groups) * a.Ho * a.Wo};
+}
+
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
                                     float* maps, float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const int64_t M = a.C * a.H * a.W;
@@ -490,9 +591,17 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  const int K = static_cast<int>(a.C / a.groups) * a.kh * a.kw;
-  window_sums_kernel<<<dim3(K, col_chunks), kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols,
-                                                                        counters, out);
+  const WindowSumsShape shape = window_sums_shape(a);
+  const dim3 grid(static_cast<unsigned>(shape.blocks_x), col_chunks);
+  if (!shape.by_channel) {
+    window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (a.kh == 1 && a.kw == 1) {
+    window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+                                                                  counters, out);
+  } else {
+    window_sums_hwc_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+                                                                  counters, out);
+  }
   return cudaGetLastError();
 }
 

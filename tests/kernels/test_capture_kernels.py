@@ -165,12 +165,32 @@ def test_conv_input_stats_awkward_inputs_and_dtypes(ext, impl, dtype, shape, lay
     close(h, h_ref, STAT_RTOL)
 
 
-def test_conv_input_stats_resnet_sizes(ext, impl):
-    """The benchmark's shapes (batch splits and column chunks engaged)."""
-    for C, HW, k, st, p in [(3, 32, 3, 1, 1), (64, 32, 3, 1, 1), (64, 32, 1, 2, 0), (128, 16, 3, 2, 1), (512, 4, 3, 1, 1)]:
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_conv_input_stats_resnet_sizes(ext, impl, layout):
+    """The benchmark's shapes (batch splits and phase-2 chunks engaged); channels_last maps
+    of one group and kernels up to 3 x 3 take the channels-side-by-side phase 2: several
+    channel tiles, a part-filled last tile (100, 48 channels), 1 x 1 and 2 x 2 kernels."""
+    for C, HW, k, st, p in [
+        (3, 32, 3, 1, 1),
+        (64, 32, 3, 1, 1),
+        (64, 32, 1, 2, 0),
+        (128, 16, 3, 2, 1),
+        (512, 4, 3, 1, 1),
+        (256, 14, 1, 1, 0),
+        (100, 15, 3, 1, 1),
+        (48, 20, 2, 1, 0),
+    ]:
         m = nn.Conv2d(C, 8, k, stride=st, padding=p, bias=False).to(DEV)
-        x = randn((256, C, HW, HW))
+        x = randn((256, C, HW, HW), layout=layout)
         close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+
+
+def test_conv_input_stats_channels_last_bf16_wide_map(ext, impl):
+    """A bf16 channels_last map big enough for many position chunks per channel tile, with
+    a dilated 3 x 3 kernel and padding on one side only (taps near every edge)."""
+    m = nn.Conv2d(96, 8, 3, stride=(2, 1), padding=(0, 2), dilation=(1, 2), bias=False).to(DEV)
+    x = randn((6, 96, 57, 61), dtype=torch.bfloat16, layout="channels_last")
+    close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
 
 
 def test_conv_unbatched_input_and_other_padding_modes_fall_back(ext, impl):
