@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .backends import FactorView
-from .capture.hooks import LayerCapture, attach, detach, factor_tensors_replaced
+from .capture.hooks import LayerCapture, attach, can_disarm, detach, factor_tensors_replaced, set_armed
 from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 
 
@@ -106,6 +106,16 @@ class LayerBinding:
         #: changes whenever any factor tensor is created or rewritten
         self.version = 0
         self._slot_changes = 0  # pairings and layers moved to F = 1
+        self._armed = True  # whether the hooks are in place (the next step may capture)
+
+    def arm(self, armed: bool) -> None:
+        """Put the hooks in place for a step that may capture, or take them out (``hooks.py``;
+        asked at every step, which also keeps the compile watcher registered)."""
+        armed = armed or not can_disarm()
+        if armed != self._armed:
+            self._armed = armed
+            for cap in self._captures.values():
+                set_armed(cap, armed)
 
     # ---------------------------------------------------------------- reading
     @property
@@ -219,7 +229,7 @@ class LayerBinding:
             if captures.get(name) is not cap:
                 detach(cap)
         for cap in captures.values():
-            if attach(cap) is not None and warn_on_takeover:
+            if attach(cap, self._armed) is not None and warn_on_takeover:
                 self._warn_once(
                     "rebind",
                     f"{cap.name!r} was bound to another live AdaFisher optimizer; its hooks now feed this one "

@@ -78,6 +78,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         self._health = Health(owner)
         self.schedule = CaptureSchedule(every)
         self.binding = LayerBinding(owner, self._capturing_now, self._health.warn_once, getattr(self, "_layers", "all"))
+        # the hooks are in place only for steps that may capture (hooks.py, "disarmed")
+        self.schedule.on_change = self.binding.arm
         self._dispatch = StepDispatcher(ForeachBackend(), ForeachBackend())
         self._observers = Observers()
         self._summary: Optional[str] = None  # written at the first step after (re)pairing

@@ -9,7 +9,7 @@ for them where they decide the answer, is the explicit :meth:`settle`.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
@@ -27,12 +27,22 @@ class CaptureSchedule:
         self.skipped = 0
         self._forced = False
         self._deferred = deferred if deferred is not None else DeferredSkips()
+        #: told :attr:`may_be_due` after every change (the owner arms its hooks by it)
+        self.on_change: Optional[Callable[[bool], None]] = None
 
     # ------------------------------------------------------------------ queries
     @property
     def due(self) -> bool:
         """Whether the next step captures, as far as the host knows now (no wait, no change)."""
         return self._forced or self.steps_taken % self.every == 0
+
+    @property
+    def may_be_due(self) -> bool:
+        """Whether the next step may capture once the skip flags in flight are known: each
+        flag still to arrive may take one step off the count."""
+        if self.due:
+            return True
+        return self.steps_taken % self.every <= self._deferred.in_flight
 
     @property
     def forced(self) -> bool:
@@ -47,6 +57,7 @@ class CaptureSchedule:
     def force_next(self, on: bool = True) -> None:
         """Make (or stop making) the next step a capture step whatever the count says."""
         self._forced = bool(on)
+        self._changed()
 
     def settle(self) -> None:
         """Count the skip flags that have arrived; wait for the others only where they
@@ -79,11 +90,17 @@ class CaptureSchedule:
         """One step was taken; ``capture_next`` forces the following one to capture."""
         self.steps_taken += 1
         self._forced = capture_next
+        self._changed()
 
     def _count(self, skipped: int) -> None:
         if skipped:
             self.steps_taken -= skipped
             self.skipped += skipped
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.may_be_due)
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -94,3 +111,4 @@ class CaptureSchedule:
         self.settle_all()  # flags of steps before the load count there, not here
         self.steps_taken = int(state["global_step"])
         self._forced = bool(state["force_capture"])
+        self._changed()

@@ -132,3 +132,25 @@ def test_every_step_or_every_seventh(every):
         due.append(s.due)
         s.advance()
     assert [i for i, d in enumerate(due) if d] == list(range(0, 15, every))
+
+
+def test_may_be_due_counts_the_flags_in_flight_and_changes_are_announced():
+    """The hooks are armed by ``may_be_due``: each flag still in flight may take a step off
+    the count, so a count just past a capture may yet be one."""
+    flags = FlagsInFlight()
+    s = CaptureSchedule(5, flags)  # type: ignore[arg-type]
+    told = []
+    s.on_change = told.append
+    for _ in range(6):
+        s.advance()
+    assert s.steps_taken == 6 and not s.due and not s.may_be_due and told == [False] * 4 + [True, False]
+    s.record_deferred(True)  # type: ignore[arg-type]
+    assert not s.due and s.may_be_due
+    s.settle_all()  # the step was skipped: 5 taken, the next one captures
+    assert s.steps_taken == 5 and s.due and told[-1] is True
+    s.advance()
+    s.record_deferred(False)  # type: ignore[arg-type]
+    s.settle_all()  # taken after all: nothing changes, nothing announced
+    assert s.steps_taken == 6 and not s.may_be_due and told[-1] is False and len(told) == 8
+    s.force_next()
+    assert told[-1] is True

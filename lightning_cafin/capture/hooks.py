@@ -21,7 +21,21 @@ the input side to that tap.
 
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
 holds its module's slot (a weak reference to the current owner), so binding again, or
-binding a second optimizer, replaces the owner instead of stacking hooks.
+binding a second optimizer, replaces the owner instead of stacking hooks.  The hook runs
+before the module's other forward hooks (it is registered first), so it sees the module's
+own output whatever another hook returns.
+
+Between capture steps the hooks are *disarmed*: taken out of the module's hook dict, so
+that ``nn.Module.__call__`` takes its no-hook fast path (a forward hook costs several
+microseconds per call even when it only checks the schedule: 41 calls add a few percent to
+a ResNet-18 step whose host work is the bottleneck).  The owner's schedule arms them again
+for any step that may capture (``set_armed``); they return to the same place, first.
+Once ``torch.compile`` starts compiling anything in the process, every hook is armed and
+stays armed: dynamo does not guard on module hooks, so a graph traced while a hook was out
+would never call it.  The compile-start watcher is registered again at every optimizer step
+(``torch._dynamo.reset()`` drops it); a compile started between such a reset and the next
+step, while the hooks are out, goes unnoticed, and its capture steps then warn that no
+forward reached the layers.
 
 Under ``torch.compile`` the hook body is never traced: it reads Python state (the owner,
 the capture schedule) and mutates the pending statistics, which a traced graph would
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -181,23 +196,93 @@ class _GradTap:
             self.call(grad)
 
 
+class _Registered:
+    """One hook this package registered: where it lives, so that it can be taken out of its
+    dict and put back first (the ``RemovableHandle`` id is its key there)."""
+
+    __slots__ = ("handle", "hook", "hooks", "with_kwargs")
+
+    def __init__(self, handle: RemovableHandle, hook: Callable[..., None], hooks: "OrderedDict[int, Callable]",
+                 with_kwargs: Optional[dict]) -> None:
+        self.handle, self.hook, self.hooks, self.with_kwargs = handle, hook, hooks, with_kwargs
+
+    def put(self, armed: bool) -> None:
+        key = self.handle.id
+        if armed:
+            self.hooks[key] = self.hook
+            self.hooks.move_to_end(key, last=False)
+            if self.with_kwargs is not None:
+                self.with_kwargs[key] = True
+        else:
+            self.hooks.pop(key, None)
+            if self.with_kwargs is not None:
+                self.with_kwargs.pop(key, None)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
 class _Slot:
     """A module's hook and its current owner (weakly: an optimizer dropped unbinds itself).
 
-    ``tap_handle``: the pre-hook on the submodule receiving the affine output, for modules
-    with a ``gradient_tap``; ``tapped``: the tap it registered in the current forward.
+    ``tap``: the pre-hook on the submodule receiving the affine output, for modules with a
+    ``gradient_tap``; ``tapped``: the tap it registered in the current forward; ``armed``:
+    whether the hooks are in their dicts (see the module docstring).
     """
 
-    __slots__ = ("handle", "owner", "tap_handle", "tapped", "__weakref__")
+    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "__weakref__")
 
     def __init__(self, owner: LayerCapture):
-        self.handle: Optional[RemovableHandle] = None
-        self.tap_handle: Optional[RemovableHandle] = None
+        self.forward: Optional[_Registered] = None
+        self.tap: Optional[_Registered] = None
         self.tapped: Optional[_GradTap] = None
+        self.armed = True
         self.owner: "weakref.ref[LayerCapture]" = weakref.ref(owner)
+
+    def registered(self) -> tuple[_Registered, ...]:
+        return tuple(r for r in (self.forward, self.tap) if r is not None)
+
+    def set_armed(self, armed: bool) -> None:
+        armed = armed or not can_disarm()
+        if armed != self.armed:
+            self.armed = armed
+            self.tapped = None
+            for r in self.registered():
+                r.put(armed)
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
+
+
+class _Compiling:
+    """Whether dynamo has started compiling in this process (then no hook is disarmed again)."""
+
+    seen = False
+
+
+def _on_compile_start(*_: object) -> None:
+    if not _Compiling.seen:
+        _Compiling.seen = True
+        for slot in list(_SLOTS.values()):
+            slot.set_armed(True)
+
+
+def can_disarm() -> bool:
+    """Whether hooks may be taken out now: nothing compiled yet, and a compile starting
+    later would be noticed.  ``torch._dynamo.reset()`` drops compile-start callbacks, so the
+    watcher is put back on every call (the owner asks at every step)."""
+    if _Compiling.seen:
+        return False
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        starts = callback_handler.start_callbacks
+        if _on_compile_start not in starts:
+            callback_handler.register_start_callback(_on_compile_start)
+    except (ImportError, AttributeError):  # no way to learn of a compile: never disarm
+        _Compiling.seen = True
+        return False
+    return True
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -231,7 +316,7 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     capture = slot.owner()
     if capture is None:
         return
-    if slot.tap_handle is not None:
+    if slot.tap is not None:
         if tap is None:
             return  # the tap saw no capture (or did not run): nothing to add
     elif not isinstance(output, Tensor) or not _wants_capture(capture, module, output):
@@ -316,32 +401,56 @@ def _input_saved_for_backward(module: nn.Module) -> bool:
     return isinstance(weight, Tensor) and weight.requires_grad
 
 
-def attach(capture: LayerCapture) -> Optional[LayerCapture]:
-    """Make ``capture`` the owner of its module's hook; return the previous live owner."""
-    slot = _SLOTS.get(capture.module)
+def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
+    """Make ``capture`` the owner of its module's hook, armed or not; return the previous
+    live owner."""
+    module = capture.module
+    slot = _SLOTS.get(module)
     if slot is None:
         slot = _Slot(capture)
-        slot.handle = capture.module.register_forward_hook(_hook_for(slot), with_kwargs=True)
-        tap = gradient_tap(capture.module)
+        hook = _hook_for(slot)
+        handle = module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+        slot.forward = _Registered(handle, hook, module._forward_hooks, module._forward_hooks_with_kwargs)
+        tap = gradient_tap(module)
         if tap is not None:
-            slot.tap_handle = tap.register_forward_pre_hook(_tap_hook_for(slot))
-        _SLOTS[capture.module] = slot
+            tap_hook = _tap_hook_for(slot)
+            handle = tap.register_forward_pre_hook(tap_hook, prepend=True)
+            slot.tap = _Registered(handle, tap_hook, tap._forward_pre_hooks, None)
+        _SLOTS[module] = slot
+        slot.set_armed(armed)
         return None
     previous = slot.owner()
     slot.owner = weakref.ref(capture)
+    slot.set_armed(armed)
     return previous if previous is not capture else None
+
+
+def set_armed(capture: LayerCapture, armed: bool) -> None:
+    """Put the module's hooks in their dicts (``armed``) or take them out, if ``capture``
+    owns them; they stay in once anything has been compiled (:func:`can_disarm`)."""
+    slot = _SLOTS.get(capture.module)
+    if slot is not None and slot.owner() is capture:
+        slot.set_armed(armed)
 
 
 def detach(capture: LayerCapture) -> None:
     """Remove the module's hook if ``capture`` still owns it."""
     slot = _SLOTS.get(capture.module)
     if slot is not None and slot.owner() is capture:
-        for handle in (slot.handle, slot.tap_handle):
-            if handle is not None:
-                handle.remove()
+        for r in slot.registered():
+            r.remove()
         del _SLOTS[capture.module]
 
 
 def hook_count(module: nn.Module) -> int:
-    """How many capture hooks this package holds on ``module`` (0 or 1); for tests and health."""
-    return sum(1 for hook in module._forward_hooks.values() if getattr(hook, "_lightning_cafin_capture", False))
+    """How many capture hooks this package holds on ``module`` (0 or 1), armed or not; for
+    tests and health."""
+    armed = sum(1 for hook in module._forward_hooks.values() if getattr(hook, "_lightning_cafin_capture", False))
+    slot = _SLOTS.get(module)
+    return armed + (1 if slot is not None and not slot.armed else 0)
+
+
+def is_armed(module: nn.Module) -> bool:
+    """Whether ``module``'s capture hook is in its hook dict (False when it has none)."""
+    slot = _SLOTS.get(module)
+    return slot is not None and slot.armed

@@ -1,0 +1,142 @@
+"""Capture hooks are in their modules' hook dicts only for steps that may capture.
+
+Between capture steps ``nn.Module.__call__`` must take its no-hook path (the hook's cost
+was measured on the host-bound step); at a capture step the hooks must be back, first in
+their dicts; once dynamo compiles anything they must stay in place for good.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.capture import hook_count, hooks
+from lightning_cafin.capture.hooks import is_armed
+
+
+@pytest.fixture
+def no_compile_seen(monkeypatch):
+    """As if nothing had been compiled in this process yet (another test may have)."""
+    monkeypatch.setattr(hooks._Compiling, "seen", False)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+
+
+def test_hooks_are_out_between_capture_steps_and_back_for_each(no_compile_seen):
+    model = _net()
+    opt = AdaFisher(model, TCov=3, backend="foreach")
+    x = torch.randn(4, 5)
+    seen = []
+    for _ in range(7):
+        seen.append((is_armed(model[0]), len(model[0]._forward_hooks)))
+        _step(model, opt, x)
+    assert seen == [(True, 1), (False, 0), (False, 0), (True, 1), (False, 0), (False, 0), (True, 1)]
+    assert all(hook_count(m) == 1 for m in model)  # held, armed or not: never stacked
+
+
+def test_factors_match_hooks_that_never_leave(no_compile_seen, monkeypatch):
+    """The same run with the hooks kept in place throughout gives the same factors and weights."""
+    x = [torch.randn(4, 5) for _ in range(7)]
+    runs = []
+    for keep in (False, True):
+        if keep:
+            monkeypatch.setattr(hooks._Compiling, "seen", True)  # what a compile does: never disarm
+        model = _net()
+        opt = AdaFisher(model, TCov=3, backend="foreach")
+        for xi in x:
+            _step(model, opt, xi)
+        assert is_armed(model[0]) == keep
+        runs.append(({n: (c.S.clone(), c.H.clone()) for n, c in opt.factors().items()},
+                     [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0].keys() == runs[1][0].keys() == {"0", "1", "2"}
+    for n in runs[0][0]:
+        for a, b in zip(runs[0][0][n], runs[1][0][n]):
+            assert torch.equal(a, b), n
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_forced_capture_and_a_loaded_count_arm_the_hooks(no_compile_seen):
+    model = _net()
+    opt = AdaFisher(model, TCov=2, backend="foreach")
+    x = torch.randn(4, 5)
+    _step(model, opt, x)
+    assert not is_armed(model[0])
+    opt.schedule.force_next()
+    assert is_armed(model[0])
+    opt.schedule.force_next(False)
+    assert not is_armed(model[0])
+    _step(model, opt, x)
+    state = opt.state_dict()  # count 2: the next step captures
+    _step(model, opt, x)
+    assert not is_armed(model[0])
+    opt.load_state_dict(state)
+    assert is_armed(model[0])
+
+
+def test_our_hook_runs_before_hooks_registered_earlier(no_compile_seen):
+    """A user hook that replaces the output does not change what the layer's statistics see:
+    ours runs first (as registered, and again after every re-arming)."""
+    x = torch.randn(4, 5)
+    factors = []
+    for user_hook in (False, True):
+        model = _net()
+        if user_hook:
+            model[2].register_forward_hook(lambda m, a, out: out * 3.0)
+        opt = AdaFisher(model, TCov=2, backend="foreach")
+        for _ in range(3):  # captures at steps 0 and 2: re-armed once
+            opt.zero_grad()
+            out = model(x)
+            (out / 3.0 if user_hook else out).square().sum().backward()  # the same loss of the layer's output
+            opt.step()
+        factors.append(opt.factors()["2"].S.clone())
+    torch.testing.assert_close(factors[1], factors[0], rtol=1e-6, atol=0)
+
+
+def test_a_compile_arms_every_hook_for_good(no_compile_seen):
+    """Compiled while the hooks are out (a normal step), the model still captures at the next
+    capture step: the compile's start put every hook back before dynamo traced."""
+    pytest.importorskip("torch._dynamo")
+    torch._dynamo.reset()
+    model = _net()
+    opt = AdaFisher(model, TCov=2, backend="foreach")
+    x = torch.randn(4, 5)
+    _step(model, opt, x)  # capture step 0 (eager)
+    assert not is_armed(model[0])
+    before = opt.factors()["0"].S.clone()
+    compiled = torch.compile(model, backend="eager")
+    _step(compiled, opt, x)  # step 1, compiled now
+    assert is_armed(model[0])
+    _step(compiled, opt, x)  # step 2 captures through the compiled graph
+    assert not torch.equal(opt.factors()["0"].S, before)
+    _step(compiled, opt, x)
+    assert is_armed(model[0])  # never disarmed again
+    torch._dynamo.reset()
+
+
+def test_a_second_optimizer_taking_over_keeps_one_hook(no_compile_seen):
+    model = _net()
+    first = AdaFisher(model, TCov=4, backend="foreach")
+    x = torch.randn(4, 5)
+    _step(model, first, x)
+    assert not is_armed(model[0])
+    with pytest.warns(UserWarning, match="bound to another live AdaFisher"):
+        second = AdaFisher(model, TCov=4, backend="foreach")
+    assert is_armed(model[0]) and hook_count(model[0]) == 1  # the new owner's first step captures
+    _step(model, second, x)
+    assert not is_armed(model[0]) and hook_count(model[0]) == 1
+    first.schedule.force_next()  # no longer the owner: changes nothing
+    assert not is_armed(model[0])
