@@ -231,15 +231,16 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
-  // Blocks per SM: the rows kernel keeps kRowsUnroll 16-byte loads in flight per thread,
-  // so two blocks per SM keep 64 KiB in flight (what the memory needs), and every further
-  // split lengthens its last block's sum of the partials; the middle kernel keeps fewer
-  // loads in flight and sums only one partial per split.
+  // Blocks per SM: two of the rows kernel's kRowsBlock threads, kRowsUnroll 16-byte loads
+  // each, keep 64 KiB in flight (what the memory needs; capture_launch.h has the
+  // measurements), and every further split lengthens its last block's sum of the
+  // partials; the middle kernel keeps fewer loads in flight and sums only one partial
+  // per split.
   const int64_t sms = static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
   if (rows) {
     const ChannelRowsShape shape = channel_rows_shape(O, 16 / static_cast<int>(t.element_size()));
-    const int64_t rows_per_split = 2 * kRowsUnroll * (kCaptureBlock / shape.lanes);
+    const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
     nsplit = clamp64(ceil_div(2 * sms, shape.tiles), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, rows_per_split)));
   } else {
     nsplit = clamp64(ceil_div(8 * sms, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));

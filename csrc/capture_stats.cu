@@ -260,9 +260,27 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
     }
   }
   if (chunks == 1 || !finished_last(counters + blockIdx.x, chunks)) return;
+  // The last block sums the chunks: `groups` threads per item take every groups-th chunk
+  // (their loads in flight together: a serial sum of 64 chunks was most of a 1 x 1
+  // layer's time), then the groups are added in order (deterministic).
+  const int groups = items >= kCaptureBlock ? 1 : kCaptureBlock / items;
+  __syncthreads();  // every thread is done with the pass sums in smem
+  for (int t = threadIdx.x; t < items * groups; t += kCaptureBlock) {
+    const int item = t % items, g = t / items;
+    int64_t col;
+    float part = 0.f;
+    if (column(item, col)) {
+      for (int k = g; k < chunks; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * K + col);
+    }
+    smem[t] = part;
+  }
+  __syncthreads();
   for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
     int64_t col;
-    if (column(t, col)) dst[col] = sum_partials(partials + col, chunks, K);
+    if (!column(t, col)) continue;
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += smem[g * items + t];
+    dst[col] = total;
   }
 }
 
@@ -326,7 +344,7 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 // shapes can be measured against the defaults).  Rows r run over (a, p), offset
 // a*sa + p*sp.
 // ---------------------------------------------------------------------------
-template <typename T, int V, int kBlock = kCaptureBlock, int kUnroll = kRowsUnroll>
+template <typename T, int V, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
 __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
                                                                      int lanes, int nsplit,
                                                                      float* __restrict__ partials,
@@ -617,9 +635,9 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
       const ChannelRowsShape shape = channel_rows_shape(a.O, vec ? kV : 1);
       const dim3 grid(static_cast<unsigned>(shape.tiles), nsplit);
       if (vec) {
-        channel_rows_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
+        channel_rows_kernel<T, kV><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
       } else {
-        channel_rows_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
+        channel_rows_kernel<T, 1><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
       }
     } else {
       const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
