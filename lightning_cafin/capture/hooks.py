@@ -262,9 +262,19 @@ class _Compiling:
 
 def _on_compile_start(*_: object) -> None:
     if not _Compiling.seen:
-        _Compiling.seen = True
+        keep_hooks_in_place(True)
+
+
+def keep_hooks_in_place(on: bool = True) -> bool:
+    """Keep every capture hook in its dict from now on (``on``, what a compile does), or let
+    hooks be taken out between capture steps again; returns the previous setting.  Turning
+    it off after a compile is for tests: a graph traced while a hook is out never calls it."""
+    previous = _Compiling.seen
+    _Compiling.seen = bool(on)
+    if on:
         for slot in list(_SLOTS.values()):
             slot.set_armed(True)
+    return previous
 
 
 def can_disarm() -> bool:

@@ -19,9 +19,11 @@ from lightning_cafin.capture.hooks import is_armed
 
 
 @pytest.fixture
-def no_compile_seen(monkeypatch):
+def no_compile_seen():
     """As if nothing had been compiled in this process yet (another test may have)."""
-    monkeypatch.setattr(hooks._Compiling, "seen", False)
+    previous = hooks.keep_hooks_in_place(False)
+    yield
+    hooks.keep_hooks_in_place(previous)
 
 
 def _net() -> nn.Sequential:
@@ -47,13 +49,13 @@ def test_hooks_are_out_between_capture_steps_and_back_for_each(no_compile_seen):
     assert all(hook_count(m) == 1 for m in model)  # held, armed or not: never stacked
 
 
-def test_factors_match_hooks_that_never_leave(no_compile_seen, monkeypatch):
+def test_factors_match_hooks_that_never_leave(no_compile_seen):
     """The same run with the hooks kept in place throughout gives the same factors and weights."""
     x = [torch.randn(4, 5) for _ in range(7)]
     runs = []
     for keep in (False, True):
         if keep:
-            monkeypatch.setattr(hooks._Compiling, "seen", True)  # what a compile does: never disarm
+            hooks.keep_hooks_in_place(True)  # what a compile does: never disarm
         model = _net()
         opt = AdaFisher(model, TCov=3, backend="foreach")
         for xi in x:
