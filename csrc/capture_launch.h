@@ -59,7 +59,8 @@ WindowSumsShape window_sums_shape(const ConvInputArgs& a);
 
 // maps: nsplit * C*H*W floats (the batch-split partial maps, summed in split order by
 // phase 2); ws_cols: col_chunks * K floats and counters: K zeroed slots (K = C/groups *
-// kh * kw, at least window_sums_shape's blocks_x), both unused when col_chunks == 1; out: K floats.  Two launches.
+// kh * kw, at least window_sums_shape's blocks_x), both unused when col_chunks == 1;
+// out: K floats.  Two launches.
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
                                     int col_chunks, float* maps, float* ws_cols, unsigned* counters,
                                     float* out, cudaStream_t stream);

@@ -345,15 +345,14 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 // a*sa + p*sp.
 // ---------------------------------------------------------------------------
 template <typename T, int V, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
-__global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t,
-                                                                     int lanes, int nsplit,
-                                                                     float* __restrict__ partials,
-                                                                     unsigned* __restrict__ counters,
-                                                                     float* __restrict__ dst) {
+__global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t, int lanes,
+                                                              int nsplit, float* __restrict__ partials,
+                                                              unsigned* __restrict__ counters,
+                                                              float* __restrict__ dst) {
   __shared__ float smem[kBlock * V];
   const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
   const int pass = kBlock / lanes;  // rows per block pass
-  const int width = lanes * V;             // channels per tile
+  const int width = lanes * V;      // channels per tile
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * width;
   const int64_t o = tile0 + static_cast<int64_t>(cl) * V;
   const Range rr = split_range(a.A * a.P, nsplit, blockIdx.y);

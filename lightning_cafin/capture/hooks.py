@@ -22,7 +22,7 @@ the input side to that tap.
 Every module holds at most one hook, whatever number of optimizers bind it: the hook
 holds its module's slot (a weak reference to the current owner), so binding again, or
 binding a second optimizer, replaces the owner instead of stacking hooks.  The hook runs
-before the module's other forward hooks (it is registered first), so it sees the module's
+before the module's other forward hooks (registered with ``prepend``), so it sees the module's
 own output whatever another hook returns.
 
 Between capture steps the hooks are *disarmed*: taken out of the module's hook dict, so
@@ -42,8 +42,8 @@ the capture schedule) and mutates the pending statistics, which a traced graph w
 freeze or misroute (code traced for one module reused for another of the same shapes).
 The hook is ``torch.compiler.disable``-d: one graph break per bound module (two for a norm
 module with a ``gradient_tap``, whose pre-hook is disabled too), and the
-statistics are those of eager mode (the wrapper costs under a microsecond per module call
-in eager mode; a hook checking ``torch.compiler.is_compiling()`` itself instead was compiled
+statistics are those of eager mode (the wrapper costs a few microseconds per module call in
+eager mode, paid on capture steps only; a hook checking ``torch.compiler.is_compiling()`` itself instead was compiled
 as a frame of its own, recompiled per module type, and then ran its body with dynamo active).
 """
 
@@ -202,15 +202,22 @@ class _Registered:
 
     __slots__ = ("handle", "hook", "hooks", "with_kwargs")
 
-    def __init__(self, handle: RemovableHandle, hook: Callable[..., None], hooks: "OrderedDict[int, Callable]",
+    def __init__(self, handle: RemovableHandle, hook: Callable[..., None], hooks: dict[int, Callable],
                  with_kwargs: Optional[dict]) -> None:
         self.handle, self.hook, self.hooks, self.with_kwargs = handle, hook, hooks, with_kwargs
 
     def put(self, armed: bool) -> None:
         key = self.handle.id
         if armed:
-            self.hooks[key] = self.hook
-            self.hooks.move_to_end(key, last=False)
+            hooks = self.hooks
+            if isinstance(hooks, OrderedDict):  # what torch keeps them in
+                hooks[key] = self.hook
+                hooks.move_to_end(key, last=False)
+            else:  # the same dict object (torch's handles refer to it), ours first
+                others = [(k, v) for k, v in hooks.items() if k != key]
+                hooks.clear()
+                hooks[key] = self.hook
+                hooks.update(others)
             if self.with_kwargs is not None:
                 self.with_kwargs[key] = True
         else:
