@@ -56,7 +56,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert wl["optimizer"] == ("AdaFisherW" if name == "gpt" else "AdaFisher")
         assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
-                "capture_above_normal_ms"} <= set(wl["sync"])
+                "capture_above_normal_ms", "capture_current_stream_ms", "current_vs_side_stream_ratio"} <= set(wl["sync"])
         assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
         assert wl["state"]["adafisher_bytes"]["total"] > 0 and wl["state"]["adam_bytes"] > 0
@@ -65,7 +65,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 8 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 9 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
@@ -73,9 +73,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 8 figures, then the callback's 3
-    assert last[-36].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-35:-3])
+    # the goals table prints last: 4 workloads x 9 figures, then the callback's 3
+    assert last[-40].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-39:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
@@ -92,7 +92,7 @@ def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=
     med = lambda v: {"median": v, "p10": v, "p90": v, "n": 1}
     return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0}},
             "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
-                     "capture_vs_normal_ratio": med(capture_ratio)},
+                     "capture_vs_normal_ratio": med(capture_ratio), "current_vs_side_stream_ratio": med(0.97)},
             "memory": {"capture_vs_normal_ratio": peak}, "optimizer_step": {"vs_adam_ratio": med(step)},
             "state": {"vs_adam_ratio": 1.1}}
 
@@ -102,6 +102,7 @@ def test_goals_are_judged_against_the_issue_limits():
     verdict = lambda name, **kw: {g["figure"]: g["met"] for g in goals(wls[name], synthetic(**kw))}
     good = verdict("resnet18")
     assert good["pipelined TCov=1 vs Adam"] is None and good["optimizer state vs Adam"] is None
+    assert good["sync capture step, statistics on the current stream vs the side stream"] is None  # a figure, no goal
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=10 vs Adam"] is True
@@ -147,3 +148,22 @@ def test_quick_matrix_on_the_gpu(tmp_path):
         assert mem["adafisher"]["capture_peak_mb"] > 0 and mem["adam"]["normal_peak_mb"] > 0
         for where, value in ratio_values(wl, name):
             assert math.isfinite(value) and value > 0, (where, value)
+
+
+def test_the_current_stream_capture_step_restores_the_options_and_the_stream_setting():
+    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_on_current_stream
+    from lightning_cafin.capture import streams
+
+    dev = torch.device("cpu")
+    wl = workloads(dev, quick=True)["resnet18"]
+    t = adafisher(wl, dev, wl.batch(dev), NEVER)
+    t.steps(2)
+    options, before = t.opt.capture_options, streams.set_enabled(True)
+    try:
+        seen = []
+        t.opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append((opt.capture_due, streams.enabled())))
+        capture_step_on_current_stream(t)
+        assert seen == [(True, False)]  # the step captured, with the side stream off
+        assert t.opt.capture_options is options and streams.enabled() is True
+    finally:
+        streams.set_enabled(before)

@@ -11,7 +11,10 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   spread of the paired per-block ratios.
 * ``sync``: one train step at a time with a synchronisation after each (what a loop that
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
-  step, interleaved; medians and p10/p90 of the paired ratios and differences.
+  step, interleaved; medians and p10/p90 of the paired ratios and differences.  The
+  capture step is also timed with its statistics on the current stream
+  (``capture_stream=False``), beside the default side stream, so that the default can be
+  chosen from a figure measured side by side.
 * ``memory``: each optimizer alone on its own model: the allocator's peak during one
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident
@@ -35,6 +38,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..capture import streams as capture_streams
+from ..capture_options import CaptureOptions
 from .timing import elapsed_ms, run_peak, spread, spread_text
 from .workloads import Workload
 
@@ -159,14 +164,28 @@ def measure_memory(wl: Workload, device: torch.device, batch, cfg: MatrixConfig)
     return out
 
 
+def capture_step_on_current_stream(t: Trainer) -> None:
+    """A capture step with the statistics on the current stream (``capture_stream=False``);
+    the optimizer's options and the process-wide stream setting are restored after it."""
+    options, previous = t.opt.capture_options, capture_streams.enabled()
+    t.opt.capture_options = CaptureOptions.checked(None, False)
+    try:
+        t.capture_step()
+    finally:
+        t.opt.capture_options = options
+        capture_streams.set_enabled(previous)
+
+
 def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
     """Step-synchronous train steps, the optimizer step alone, and the state bytes."""
     base, ada = adam(wl, device, batch), adafisher(wl, device, batch, NEVER)
     base.steps(cfg.warmup)
     ada.steps(cfg.warmup)
+    on_current = functools.partial(capture_step_on_current_stream, ada)
     sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                          "normal": functools.partial(elapsed_ms, ada.step, device),
-                         "capture": functools.partial(elapsed_ms, ada.capture_step, device)}, cfg.sync_reps)
+                         "capture": functools.partial(elapsed_ms, ada.capture_step, device),
+                         "capture_current_stream": functools.partial(elapsed_ms, on_current, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
@@ -181,7 +200,9 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_ms": spread(sync["capture"]),
                  "normal_vs_adam_ratio": _paired(sync["normal"], sync["adam"], _ratio),
                  "capture_vs_normal_ratio": _paired(sync["capture"], sync["normal"], _ratio),
-                 "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff)},
+                 "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff),
+                 "capture_current_stream_ms": spread(sync["capture_current_stream"]),
+                 "current_vs_side_stream_ratio": _paired(sync["capture_current_stream"], sync["capture"], _ratio)},
         "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
                            "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
         "state": {"adafisher_bytes": ada_state, "adam_bytes": adam_state,
@@ -258,7 +279,9 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(("sync capture step above normal", s["capture_above_normal_ms"]["median"], "ms", 1.0))
     else:
         rows.append(("sync capture step vs normal", s["capture_vs_normal_ratio"]["median"], "x", 1.05))
-    rows += [("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
+    rows += [("sync capture step, statistics on the current stream vs the side stream",
+              s["current_vs_side_stream_ratio"]["median"], "x", None),
+             ("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
              ("optimizer step vs Adam (eager)", r["optimizer_step"]["vs_adam_ratio"]["median"], "x", 0.6),
              ("optimizer state vs Adam", r["state"]["vs_adam_ratio"], "x", None)]
     return goal_rows(rows)
@@ -293,7 +316,8 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
         lines.append(f"{name}: {r['description']} ({r['optimizer']} [{r['backend']}] vs {r['baseline']})")
         lines.append(f"  pipelined ms/step: Adam {ms(p['adam_ms'])}; " +
                      "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
-        lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}")
+        lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
+                     f"capture on the current stream {ms(s['capture_current_stream_ms'])}")
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "
