@@ -250,7 +250,8 @@ class _Slot:
         return tuple(r for r in (self.forward, self.tap) if r is not None)
 
     def set_armed(self, armed: bool) -> None:
-        armed = armed or not can_disarm()
+        # never out once anything compiled; the owner's can_disarm() keeps the watcher registered
+        armed = armed or _Compiling.seen
         if armed != self.armed:
             self.armed = armed
             self.tapped = None
@@ -444,7 +445,8 @@ def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
 
 def set_armed(capture: LayerCapture, armed: bool) -> None:
     """Put the module's hooks in their dicts (``armed``) or take them out, if ``capture``
-    owns them; they stay in once anything has been compiled (:func:`can_disarm`)."""
+    owns them; they stay in once anything has been compiled.  Callers disarming ask
+    :func:`can_disarm` first (it registers the compile watcher)."""
     slot = _SLOTS.get(capture.module)
     if slot is not None and slot.owner() is capture:
         slot.set_armed(armed)

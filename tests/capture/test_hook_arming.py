@@ -36,6 +36,16 @@ def _step(model, opt, x):
     opt.step()
 
 
+def _after_a_capture_step(TCov: int):
+    """A net, its optimizer and a batch, after capture step 0: the hooks are out."""
+    model = _net()
+    opt = AdaFisher(model, TCov=TCov, backend="foreach")
+    x = torch.randn(4, 5)
+    _step(model, opt, x)
+    assert not is_armed(model[0])
+    return model, opt, x
+
+
 def test_hooks_are_out_between_capture_steps_and_back_for_each(no_compile_seen):
     model = _net()
     opt = AdaFisher(model, TCov=3, backend="foreach")
@@ -71,11 +81,7 @@ def test_factors_match_hooks_that_never_leave(no_compile_seen):
 
 
 def test_forced_capture_and_a_loaded_count_arm_the_hooks(no_compile_seen):
-    model = _net()
-    opt = AdaFisher(model, TCov=2, backend="foreach")
-    x = torch.randn(4, 5)
-    _step(model, opt, x)
-    assert not is_armed(model[0])
+    model, opt, x = _after_a_capture_step(TCov=2)
     opt.schedule.force_next()
     assert is_armed(model[0])
     opt.schedule.force_next(False)
@@ -112,11 +118,7 @@ def test_a_compile_arms_every_hook_for_good(no_compile_seen):
     capture step: the compile's start put every hook back before dynamo traced."""
     pytest.importorskip("torch._dynamo")
     torch._dynamo.reset()
-    model = _net()
-    opt = AdaFisher(model, TCov=2, backend="foreach")
-    x = torch.randn(4, 5)
-    _step(model, opt, x)  # capture step 0 (eager)
-    assert not is_armed(model[0])
+    model, opt, x = _after_a_capture_step(TCov=2)  # capture step 0 (eager)
     before = opt.factors()["0"].S.clone()
     compiled = torch.compile(model, backend="eager")
     _step(compiled, opt, x)  # step 1, compiled now
@@ -129,11 +131,7 @@ def test_a_compile_arms_every_hook_for_good(no_compile_seen):
 
 
 def test_a_second_optimizer_taking_over_keeps_one_hook(no_compile_seen):
-    model = _net()
-    first = AdaFisher(model, TCov=4, backend="foreach")
-    x = torch.randn(4, 5)
-    _step(model, first, x)
-    assert not is_armed(model[0])
+    model, first, x = _after_a_capture_step(TCov=4)
     with pytest.warns(UserWarning, match="bound to another live AdaFisher"):
         second = AdaFisher(model, TCov=4, backend="foreach")
     assert is_armed(model[0]) and hook_count(model[0]) == 1  # the new owner's first step captures
