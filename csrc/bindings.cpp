@@ -50,6 +50,16 @@ dim but ``dim``, accumulated in float32, times float(1/divisor) when divisor > 0
 t: CUDA tensor, float32 / float16 / bfloat16, any strides.  Returns float32 [t.size(dim)].
 side=True: on the device's capture side stream, as conv_input_stats.)doc",
         py::arg("t"), py::arg("dim"), py::arg("square"), py::arg("divisor") = 0.0, py::arg("side") = false);
+  m.def("layer_stats", &lightning_cafin::layer_stats,
+        R"doc(One layer's capture statistics in one call: (h, s), float32.
+
+h from x: input_op (0, dim, square) is channel_stats(x, dim, square, input_div);
+(1, kh, kw, sh, sw, pad_top, pad_left, dh, dw, groups, Ho, Wo) is conv_input_stats (a
+3-D x is read as a 2-D map of height 1).  s is channel_stats(grad, grad_dim, grad_square,
+grad_div).  side=True: both on the capture side stream, ordered after the current stream
+once, x and grad marked as read there (join before reading the results).)doc",
+        py::arg("x"), py::arg("grad"), py::arg("input_op"), py::arg("input_div"), py::arg("grad_dim"),
+        py::arg("grad_square"), py::arg("grad_div"), py::arg("side") = false);
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

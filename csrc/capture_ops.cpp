@@ -24,6 +24,7 @@ namespace {
 const char* kConv = "conv_input_stats: ";
 const char* kChan = "channel_stats: ";
 const char* kFac = "factor_update_: ";
+const char* kLayer = "layer_stats: ";
 
 // A statistics op's input: a CUDA tensor the kernels read.
 void check_input(const at::Tensor& t, const char* op, const char* name) {
@@ -254,6 +255,33 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
                                     current_stream(t)),
                kChan);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
+                                               const std::vector<int64_t>& input_op, double input_div,
+                                               int64_t grad_dim, bool grad_square, double grad_div, bool side) {
+  check_input(x, kLayer, "x");
+  check_input(grad, kLayer, "grad");
+  TORCH_CHECK(x.device() == grad.device(), kLayer, "x and grad must be on one device");
+  const bool conv = !input_op.empty() && input_op[0] == 1;
+  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), kLayer,
+              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
+  const at::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
+  const c10::cuda::CUDAGuard guard(x.device());
+  // one ordering for both ops: inside the scope the side stream is current, so they run
+  // there without ordering themselves again
+  const SideScope scope(x, side);
+  scope.reads(x);
+  scope.reads(grad);
+  at::Tensor h;
+  if (conv) {
+    const auto& o = input_op;
+    h = conv_input_stats(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]},
+                         o[9], {o[10], o[11]}, false);
+  } else {
+    h = channel_stats(x, input_op[1], input_op[2] != 0, input_div, false);
+  }
+  return {h, channel_stats(grad, grad_dim, grad_square, grad_div, false)};
 }
 
 at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 namespace lightning_cafin {
@@ -20,6 +21,14 @@ at::Tensor conv_input_stats(const at::Tensor& x, std::vector<int64_t> kernel, st
 // side: run on the device's capture side stream (side_stream.h); the result is then
 // ready on the current stream only after capture_join().
 at::Tensor channel_stats(const at::Tensor& t, int64_t dim, bool square, double divisor, bool side = false);
+
+// One layer's two partial sums in one call, ordered on the side stream once (side_stream.h):
+// h from x (input_op {0, dim, square}: channel_stats(x, dim, square, input_div); {1, kh, kw,
+// sh, sw, pt, pl, dh, dw, groups, Ho, Wo}: conv_input_stats, a 3-D x read as height 1) and
+// s = channel_stats(grad, grad_dim, grad_square, grad_div).  Returns (h, s).
+std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
+                                               const std::vector<int64_t>& input_op, double input_div,
+                                               int64_t grad_dim, bool grad_square, double grad_div, bool side);
 
 // The capture step's factor update for every layer at once (one launch per 56 layers).
 // Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).

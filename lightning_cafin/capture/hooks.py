@@ -59,8 +59,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from . import kernels as _kernels
 from . import streams
 from .layers import LayerRule, gradient_tap
+from .rules.base import FusedStats
+
+#: how many (input, gradient) shape pairs a layer keeps fused descriptions for
+_FUSED_SHAPES = 64
 
 
 class PendingStats:
@@ -157,6 +162,8 @@ class LayerCapture:
     H: Optional[Tensor] = None
     pending: PendingStats = field(default_factory=PendingStats)
     refused: int = 0  # forward/backward pairs dropped because their shape changed
+    #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
+    fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("S", "H") and value is not getattr(self, name, None):
@@ -172,6 +179,18 @@ class LayerCapture:
         for p in self.module.parameters(recurse=False):
             return p.device
         return torch.device("cpu")
+
+    def fused_stats(self, x: Tensor, grad: Tensor) -> Optional[FusedStats]:
+        """The rule's one-call description of this pair's statistics (cached per shapes), or
+        ``None`` where it has none.  The caller checked that the kernels take both tensors."""
+        key = (x.shape, grad.shape)
+        try:
+            return self.fused[key]
+        except KeyError:
+            if len(self.fused) >= _FUSED_SHAPES:  # shapes that keep changing (variable lengths)
+                self.fused.clear()
+            stats = self.fused[key] = self.rule.fused_stats(self.module, x.shape, grad.shape)
+            return stats
 
     def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
         if not self.pending.add(h, hn, s, sn):
@@ -358,6 +377,12 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
             if not held:
                 return  # a second backward through a retained graph: its input is gone
             x = held.pop()
+            ext = _kernels.ext_for(x, grad)
+            fused = None if ext is None else capture.fused_stats(x, grad)
+            if ext is not None and fused is not None:  # one C++ call: side-stream ordering and both sums
+                h, s = fused.run(ext, x, grad, streams.side())
+                capture.commit(h, fused.hn, s, fused.sn)
+                return
             with _no_grad_in_backward(), streams.beside(x, grad):
                 h, hn = rule.input_partial(module, x)
                 s, sn = rule.output_partial(module, grad)

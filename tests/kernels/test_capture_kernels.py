@@ -469,6 +469,61 @@ def test_factor_update_is_bitwise_for_linear_layers(ext, impl):
         assert torch.equal(c.H, t.H) and torch.equal(c.S, t.S), c.name
 
 
+# --------------------------------------------------------------------------- one call per layer
+
+#: name -> (module factory, input shape, layout of the input and the output gradient)
+FUSED_LAYERS = {
+    "conv3x3_channels_last": (lambda: nn.Conv2d(16, 8, 3, padding=1), (4, 16, 12, 10), "channels_last"),
+    "conv_strided_dilated_grouped": (lambda: nn.Conv2d(12, 8, 3, stride=2, padding=2, dilation=2, groups=4),
+                                     (3, 12, 11, 9), "contiguous"),
+    "conv1d": (lambda: nn.Conv1d(6, 4, 3, stride=2, padding=1), (3, 6, 17), "contiguous"),
+    "linear_tokens": (lambda: nn.Linear(24, 40), (2, 7, 24), "contiguous"),
+    "batchnorm_channels_last": (lambda: nn.BatchNorm2d(16), (4, 16, 9, 7), "channels_last"),
+    "layernorm": (lambda: nn.LayerNorm(48), (3, 5, 48), "contiguous"),
+}
+
+
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(FUSED_LAYERS))
+def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
+    """The hooks' one call per layer (``FusedStats.run``) against the float64 torch rules,
+    on the current stream and on the side stream (joined before reading)."""
+    from lightning_cafin.capture import streams
+
+    make, shape, layout = FUSED_LAYERS[name]
+    torch.manual_seed(0)
+    module = make().to(DEV)
+    x = randn(shape, dtype, layout)
+    with torch.no_grad():
+        out_shape = module(x.float()).shape
+    grad = randn(out_shape, dtype, layout)
+    fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
+    assert fused is not None
+    h, s = fused.run(ext, x, grad, side)
+    if side:
+        streams.join()
+        torch.cuda.current_stream().synchronize()
+        streams.release()
+    h_want, hn = torch_rule(impl, module, x, "in")
+    s_want, sn = torch_rule(impl, module, grad, "out")
+    assert (fused.hn, fused.sn) == (hn, sn)
+    close(h, h_want, STAT_RTOL)
+    close(s, s_want, STAT_RTOL)
+
+
+def test_layer_stats_raises_clear_errors(ext):
+    t = randn((3, 4))
+    with pytest.raises(RuntimeError, match="input_op"):
+        ext.layer_stats(t, t, [2, 0, 0], 0.0, -1, True, 0.0)
+    with pytest.raises(RuntimeError, match="input_op"):
+        ext.layer_stats(t, t, [1, 3, 3], 0.0, -1, True, 0.0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ext.layer_stats(t, t.cpu(), [0, -1, 1], 0.0, -1, True, 0.0)
+    with pytest.raises(RuntimeError, match="dim"):
+        ext.layer_stats(t, t, [0, 7, 1], 0.0, -1, True, 0.0)
+
+
 # --------------------------------------------------------------------------- end to end
 
 

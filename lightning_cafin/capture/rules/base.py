@@ -20,6 +20,11 @@ them): the statistics of several micro-batches, or several ranks, are then added
 ``finalize``.  ``s_scale_power`` is the power of a loss scale the ``S`` sums carry (2 for
 sums of squared gradients, 1 for sums of gradients squared after combining).
 
+:meth:`LayerRule.fused_stats` (optional) describes both partial sums of one call as one
+call of the extension's ``layer_stats`` (the built-in rules' CUDA fast path: one C++ call
+per layer in the backward pass instead of one per op and the Python between them);
+``None`` keeps :meth:`~LayerRule.input_partial` / :meth:`~LayerRule.output_partial`.
+
 :meth:`LayerRule.kernel_plan` (optional) says how the extension's factor-update kernel
 finalises the layer; ``None`` keeps it on the torch ops (always correct).
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional, Sequence, Union
 
 import torch
@@ -86,6 +92,37 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
+class FusedStats:
+    """Both partial sums of one forward/backward pair as one ``layer_stats`` call.
+
+    ``input_op`` is ``(0, dim, square)``: ``channel_stats(x, dim, square, input_div)``, or
+    ``(1, kh, kw, sh, sw, pad_top, pad_left, dh, dw, groups, Ho, Wo)``: the convolution
+    window sums of ``x`` (a 3-D ``x`` read as height 1); the gradient side is
+    ``channel_stats(grad, grad_dim, grad_square, grad_div)``.  ``hn`` / ``sn`` are the counts
+    :meth:`LayerRule.input_partial` / :meth:`LayerRule.output_partial` return with the sums.
+    A description depends only on the module and the two shapes, so the hooks cache it.
+    """
+
+    input_op: tuple[int, ...]
+    input_div: float
+    grad_dim: int
+    grad_square: bool
+    grad_div: float
+    hn: float
+    sn: float
+
+    def run(self, ext: ModuleType, x: Tensor, grad: Tensor, side: bool) -> tuple[Tensor, Tensor]:
+        """``(h, s)`` from the extension's one call (``side``: on the capture side stream)."""
+        return ext.layer_stats(x, grad, self.input_op, self.input_div, self.grad_dim, self.grad_square,
+                               self.grad_div, side)
+
+
+def channel_op(dim: int, square: bool) -> tuple[int, int, int]:
+    """``FusedStats.input_op`` of a per-channel sum (of squares) over every dim but ``dim``."""
+    return (0, dim, int(square))
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     """How the factor-update kernel finalises one layer's statistics.
 
@@ -131,6 +168,12 @@ class LayerRule(ABC):
 
     def kernel_plan(self, module: nn.Module, h: Tensor, hn: float) -> Optional[KernelPlan]:
         """The factor-update kernel's plan for this layer, or ``None`` (torch ops)."""
+        return None
+
+    def fused_stats(self, module: nn.Module, x_shape: torch.Size, grad_shape: torch.Size) -> Optional[FusedStats]:
+        """Both partial sums of a call with these input and output-gradient shapes as one
+        ``layer_stats`` call, or ``None`` (the two partial methods run).  Asked only where
+        the kernels take both tensors (CUDA, a kernel dtype); the answer is cached per shapes."""
         return None
 
     def oracle(self, module: nn.Module, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

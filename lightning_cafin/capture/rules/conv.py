@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ..._conv import call_geometry, conv_padding, pad_like_conv
 from .. import kernels as _kernels
 from .. import streams as _streams
-from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
+from .base import FusedStats, KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
 
 
 _ConvNd = nn.modules.conv._ConvNd
@@ -125,6 +125,20 @@ class ConvRule(LayerRule):
         if sv is not None:
             return sv, count
         return sum_of_squares(s, (0,) + tuple(range(2, s.dim()))), count
+
+    def fused_stats(self, module: nn.Module, x_shape: torch.Size, grad_shape: torch.Size) -> Optional[FusedStats]:
+        conv = _conv(module)
+        nd = len(conv.kernel_size)
+        if nd not in (1, 2) or conv.padding_mode != "zeros" or len(x_shape) != nd + 2 or len(grad_shape) != nd + 2:
+            return None  # 3-D, other padding modes, unbatched calls: the partial methods
+        pads, out_size, positions = call_geometry(conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                                                  tuple(x_shape[2:]))
+        ks, st, dl = conv.kernel_size, conv.stride, conv.dilation
+        if nd == 1:  # a 1-D convolution is a 2-D one of height 1
+            ks, st, dl, pads, out_size = (1,) + ks, (1,) + st, (1,) + dl, (0,) + pads, (1,) + out_size
+        op = (1, *ks, *st, *pads, *dl, conv.groups, *out_size)
+        hn = float(x_shape[0] * positions * conv_columns(conv))
+        return FusedStats(op, 0.0, 1, True, 0.0, hn, float(grad_shape[0] * math.prod(grad_shape[2:])))
 
     def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
         conv = _conv(module)

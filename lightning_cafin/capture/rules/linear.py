@@ -6,12 +6,18 @@ flattened input) plus a ones column for the bias; ``S`` one per output feature.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
 
-from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
+from .base import FusedStats, KernelPlan, LayerRule, ParamSlot, channel_op, channel_sums, sum_of_squares
+
+
+def _rows(shape: torch.Size) -> float:
+    """How many rows of the last dim a tensor of ``shape`` has (``_last_dim_squares``' count)."""
+    return float(math.prod(shape) // max(shape[-1], 1))
 
 
 def _last_dim_squares(t: Tensor) -> tuple[Tensor, float]:
@@ -55,6 +61,11 @@ class LinearRule(LayerRule):
 
     def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         return _last_dim_squares(s)
+
+    def fused_stats(self, module: nn.Module, x_shape: torch.Size, grad_shape: torch.Size) -> Optional[FusedStats]:
+        if len(x_shape) == 0 or len(grad_shape) == 0:
+            return None
+        return FusedStats(channel_op(-1, True), 0.0, -1, True, 0.0, _rows(x_shape), _rows(grad_shape))
 
     def finalize(self, module: nn.Module, h: Tensor, hn: float, s: Tensor, sn: float) -> tuple[Tensor, Tensor]:
         H = h / hn

@@ -25,7 +25,7 @@ from typing import Optional, cast
 import torch
 from torch import Tensor, nn
 
-from .base import KernelPlan, LayerRule, ParamSlot, channel_sums, stat_dtype
+from .base import FusedStats, KernelPlan, LayerRule, ParamSlot, channel_op, channel_sums, stat_dtype
 
 
 class _TwoColumnRule(LayerRule):
@@ -69,6 +69,12 @@ class ChannelNormRule(_TwoColumnRule):
             return h, float(x.shape[0])
         dims = (0,) + tuple(range(2, x.dim()))
         return x.sum(dims, dtype=stat_dtype(x)) / (sp**2), float(x.shape[0])
+
+    def fused_stats(self, module: nn.Module, x_shape: torch.Size, grad_shape: torch.Size) -> Optional[FusedStats]:
+        sp = math.prod(x_shape[2:])
+        if len(x_shape) < 2 or len(grad_shape) < 2 or sp <= 0:
+            return None
+        return FusedStats(channel_op(1, False), float(sp**2), 1, False, 0.0, float(x_shape[0]), float(grad_shape[0]))
 
     def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         sv = channel_sums(s, 1, False)
@@ -116,6 +122,15 @@ class FeatureNormRule(_TwoColumnRule):
         if h is not None:
             return h, float(x.shape[0])
         return x.sum(dims, dtype=stat_dtype(x)) / (dn**2), float(x.shape[0])
+
+    def fused_stats(self, module: nn.Module, x_shape: torch.Size, grad_shape: torch.Size) -> Optional[FusedStats]:
+        # only where the input needs no view: one normalised dim, last
+        if self.channels_first or cast(Tensor, module.weight).dim() != 1 or len(x_shape) < 2 or len(grad_shape) < 2:
+            return None
+        dn = math.prod(x_shape[2:])
+        if dn <= 0:
+            return None
+        return FusedStats(channel_op(1, False), float(dn**2), -1, False, 0.0, float(x_shape[0]), float(grad_shape[0]))
 
     def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         s = self._view(module, s)
