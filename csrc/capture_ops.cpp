@@ -7,6 +7,7 @@
 #include "checks.h"
 #include "side_stream.h"
 
+#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -266,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   const bool conv = !input_op.empty() && input_op[0] == 1;
   TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), kLayer,
               "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
-  const at::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
+  const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
   // one ordering for both ops: inside the scope the side stream is current, so they run
   // there without ordering themselves again
