@@ -293,7 +293,7 @@ class AdaFisher(_AdaFisherBase):
         capture: how the statistics are computed: ``"auto"``, ``"kernels"`` or ``"torch"``
             (``None``: the process default, ``$LIGHTNING_CAFIN_CAPTURE`` or ``auto``).
         capture_stream: statistics on a side CUDA stream (``True``) or the current one
-            (``False``); ``None``: the process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or on).
+            (``False``); ``None``: the process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or off).
         layers: which layer types get factors: ``"all"`` (every built-in type and those added
             with ``lightning_cafin.register_layer``) or ``"paper"`` (exactly the authors' four:
             Linear, Conv2d, BatchNorm2d, LayerNorm, bit-equal to their code).

@@ -49,6 +49,18 @@ def test_a_bad_environment_variable_does_not_break_the_import(var, value):
     assert f"ValueError: the environment variable {var} must be one of" in out.stdout and repr(value) in out.stdout
 
 
+@pytest.mark.parametrize("value, want", [(None, "False"), ("1", "True"), ("off", "False")])
+def test_the_side_stream_is_off_unless_asked_for(value, want):
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_CAFIN_CAPTURE_STREAM"}
+    if value is not None:
+        env["LIGHTNING_CAFIN_CAPTURE_STREAM"] = value
+    code = "from lightning_cafin.capture import streams\nprint(streams.enabled())\n"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want
+
+
 def test_explicit_options_apply_when_the_capture_begins(restore):
     capture_kernels.set_impl("auto")
     capture_streams.set_enabled(True)
