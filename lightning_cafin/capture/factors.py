@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, overload
 
 import torch
@@ -138,38 +137,52 @@ class CaptureReport:
         return [n for n in self._order if (n in nan) == want_nan]
 
 
-@dataclass
-class _KernelJob:
-    """One layer the factor-update kernel finalises and folds (see ``KernelPlan``)."""
+class _KernelBatch:
+    """The layers one factor-update launch finalises and folds on one device, gathered
+    straight into the launch's argument lists (see ``KernelPlan``): a capture step adds
+    every layer once, so no per-layer object is built."""
 
-    cap: LayerCapture
-    h: Tensor
-    s: Tensor
-    H: Tensor  # the stored factors, or fresh buffers when ``init``
-    S: Tensor
-    plan: KernelPlan
-    flags: int  # 1: append the extra column, 2: initialise the factors, 4: divide out the loss scale
-    s_div: float
-    s_scale: float
-    init: bool
+    __slots__ = ("caps", "h", "s", "H", "S", "kinds", "flags", "h_div", "s_div", "s_scale", "extra", "fresh")
 
+    def __init__(self) -> None:
+        self.caps: list[LayerCapture] = []
+        self.h: list[Tensor] = []
+        self.s: list[Tensor] = []
+        self.H: list[Tensor] = []  # the stored factors, or fresh buffers where ``fresh``
+        self.S: list[Tensor] = []
+        self.kinds: list[int] = []
+        self.flags: list[int] = []  # 1: append the extra column, 2: initialise the factors, 4: divide out the loss scale
+        self.h_div: list[float] = []
+        self.s_div: list[float] = []
+        self.s_scale: list[float] = []
+        self.extra: list[float] = []
+        self.fresh: list[int] = []  # indices of layers whose factors this launch creates
 
-def _kernel_job(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
-                grad_scale: Optional[float]) -> _KernelJob:
-    nH, ns = plan.h_size(h), s.numel()
-    init = (cap.H is None or cap.S is None or cap.H.shape != (nH,) or cap.S.shape != (ns,)
-            or cap.H.dtype != torch.float32)
-    flags = (1 if plan.append else 0) | (2 if init else 0)
-    scale = 1.0
-    if grad_scale is not None and grad_scale != 1.0:
-        flags |= 4
-        scale = grad_scale**cap.rule.s_scale_power
-    if cap.H is None or cap.S is None or init:
-        H = torch.empty(nH, device=h.device, dtype=torch.float32)
-        S = torch.empty(ns, device=h.device, dtype=torch.float32)
-    else:
+    def add(self, cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
+            grad_scale: Optional[float]) -> None:
+        nH, ns = plan.h_size(h), s.numel()
         H, S = cap.H, cap.S
-    return _KernelJob(cap, h.contiguous(), s.contiguous(), H, S, plan, flags, float(pending.sn), float(scale), init)
+        init = H is None or S is None or H.shape != (nH,) or S.shape != (ns,) or H.dtype != torch.float32
+        flags = (1 if plan.append else 0) | (2 if init else 0)
+        scale = 1.0
+        if grad_scale is not None and grad_scale != 1.0:
+            flags |= 4
+            scale = grad_scale**cap.rule.s_scale_power
+        if H is None or S is None or init:
+            self.fresh.append(len(self.caps))
+            H = torch.empty(nH, device=h.device, dtype=torch.float32)
+            S = torch.empty(ns, device=h.device, dtype=torch.float32)
+        self.caps.append(cap)
+        self.h.append(h if h.is_contiguous() else h.contiguous())
+        self.s.append(s if s.is_contiguous() else s.contiguous())
+        self.H.append(H)
+        self.S.append(S)
+        self.kinds.append(plan.kind)
+        self.flags.append(flags)
+        self.h_div.append(float(plan.h_div))
+        self.s_div.append(float(pending.sn))
+        self.s_scale.append(float(scale))
+        self.extra.append(float(plan.extra))
 
 
 def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats) -> bool:
@@ -181,12 +194,13 @@ def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats
         return False
     if not (pending.hn > 0 and pending.sn > 0):
         return False
-    device = cap.device
-    if h.device != device or s.device != device:
+    device = h.device
+    if s.device != device or cap.device != device:
         return False
-    if cap.H is not None and cap.S is not None and not (
-            cap.H.dtype == torch.float32 and cap.H.is_contiguous() and cap.S.is_contiguous()
-            and cap.H.device == device and cap.S.device == device):
+    H, S = cap.H, cap.S
+    if H is not None and S is not None and not (
+            H.dtype == torch.float32 and H.is_contiguous() and S.is_contiguous()
+            and H.device == device and S.device == device):
         return False
     return True
 
@@ -202,7 +216,7 @@ def update_factors(
     they were not scaled); it is divided out so factors come from true gradients.
     """
     report = CaptureReport()
-    jobs: list[_KernelJob] = []
+    batches: dict[torch.device, _KernelBatch] = {}
     for cap in captures:
         pending = cap.take_pending()
         if pending.calls == 0:
@@ -211,7 +225,10 @@ def update_factors(
         h, s = pending.sums()
         plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, h, s, pending) else None
         if plan is not None and _kernels.ext_for(h) is not None:
-            jobs.append(_kernel_job(cap, h, s, pending, plan, grad_scale))
+            batch = batches.get(h.device)
+            if batch is None:
+                batch = batches[h.device] = _KernelBatch()
+            batch.add(cap, h, s, pending, plan, grad_scale)
             report.record(cap.name, None)
             continue
         if grad_scale is not None and grad_scale != 1.0:
@@ -230,28 +247,22 @@ def update_factors(
         fold_(cap.H, H_hat, gamma)
         fold_(cap.S, S_hat, gamma)
         report.record(cap.name, False)
-    if jobs:
-        _launch(jobs, gamma, report)
+    if batches:
+        _launch(batches, gamma, report)
     return report
 
 
-def _launch(jobs: list[_KernelJob], gamma: float, report: CaptureReport) -> None:
+def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: CaptureReport) -> None:
     """One kernel launch per device for the batched layers; new factors are attached once
     their layer is known to be NaN-free (that read waits for the launch)."""
-    by_device: dict[torch.device, list[_KernelJob]] = {}
-    for job in jobs:
-        by_device.setdefault(job.h.device, []).append(job)
-    ext = _kernels.ext_for(jobs[0].h)
-    if ext is None:  # the jobs were made only where ext_for gave the extension
+    ext = _kernels.ext_for(next(iter(batches.values())).h[0])
+    if ext is None:  # the batches were made only where ext_for gave the extension
         raise RuntimeError("capture kernels became unavailable between planning and launch")
-    for device, group in by_device.items():
+    for device, b in batches.items():
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = ext.factor_update_(
-                [j.h for j in group], [j.s for j in group], [j.H for j in group], [j.S for j in group],
-                [j.plan.kind for j in group], [j.flags for j in group], [float(j.plan.h_div) for j in group],
-                [j.s_div for j in group], [j.s_scale for j in group], [float(j.plan.extra) for j in group],
-                0.1 * gamma, 0.01 * gamma)
-            names = [j.cap.name for j in group]
+            flags = ext.factor_update_(b.h, b.s, b.H, b.S, b.kinds, b.flags, b.h_div, b.s_div, b.s_scale, b.extra,
+                                       0.1 * gamma, 0.01 * gamma)
+            names = [cap.name for cap in b.caps]
             device_flags = _DeviceFlags(names, flags)
         if report._device is None:
             report._device = device_flags
@@ -261,8 +272,8 @@ def _launch(jobs: list[_KernelJob], gamma: float, report: CaptureReport) -> None
             merged.names = prev.names + names
             merged._host = prev.values() + device_flags.values()
             report._device = merged
-        if any(j.init for j in group):
-            nan = dict(zip(names, device_flags.values()))
-            for j in group:
-                if j.init and not nan[j.cap.name]:
-                    j.cap.H, j.cap.S = j.H, j.S
+        if b.fresh:
+            nan = device_flags.values()
+            for i in b.fresh:
+                if not nan[i]:
+                    b.caps[i].H, b.caps[i].S = b.H[i], b.S[i]
