@@ -87,11 +87,34 @@ unsigned* counter_slots(const at::Tensor& like, int64_t n) {
   return reinterpret_cast<unsigned*>(pool.data_ptr<int32_t>());
 }
 
-}  // namespace
+// A planned statistics op: its checked kernel arguments and grid, the floats of output
+// (`n_out`) and workspace (`n_ws`) it needs, launched once its buffers are given, so
+// that layer_stats can give two ops one allocation.  `zeros`: nothing to reduce (an
+// empty dim), the output is only zero-filled.
+struct ConvPlan {
+  at::Tensor x;  // the input as read (a copy where its layout is neither NCHW nor NHWC)
+  ConvInputArgs a{};
+  int64_t n_out = 0, n_maps = 0, n_cols = 0;
+  int nsplit = 1, col_chunks = 1;
+  unsigned* counters = nullptr;
+  bool zeros = false;
+  int64_t n_ws() const { return n_maps + n_cols; }
+};
 
-at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
-                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
-                            std::vector<int64_t> out_hw, bool side) {
+struct ChannelPlan {
+  at::Tensor t;
+  ChannelArgs a{};
+  int64_t n_out = 0, n_ws = 0;
+  bool rows = false, zeros = false;
+  int nsplit = 1;
+  unsigned* counters = nullptr;
+};
+
+// The stream must be current (and the device guarded) before planning: the counter
+// slots are taken from the current stream's pool.
+ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, const std::vector<int64_t>& stride,
+                   const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+                   const std::vector<int64_t>& out_hw) {
   check_input(x_in, kConv, "x");
   TORCH_CHECK(x_in.dim() == 4, kConv, "x must be 4-D (B, C, H, W), got ", num(static_cast<int64_t>(x_in.dim())),
               " dims");
@@ -109,11 +132,12 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   const int64_t K = (C / groups) * kernel[0] * kernel[1];
   TORCH_CHECK(K >= 1 && K <= lim, kConv, "C/groups * kh * kw = ", num(K), " is out of range");
 
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const SideScope scope(x_in, side);  // from here on, the current stream is the side stream
-  scope.reads(x_in);
-  at::Tensor out = new_f32(K, x_in);
-  if (B == 0 || C == 0 || H == 0 || W == 0 || out_hw[0] == 0 || out_hw[1] == 0) return out.zero_();
+  ConvPlan p;
+  p.n_out = K;
+  if (B == 0 || C == 0 || H == 0 || W == 0 || out_hw[0] == 0 || out_hw[1] == 0) {
+    p.zeros = true;
+    return p;
+  }
 
   // The per-sample block must be dense in (C, H, W) or (H, W, C) order.
   auto dense_chw = [](const at::Tensor& t) {
@@ -124,20 +148,20 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
     return (t.size(1) == 1 || t.stride(1) == 1) && (t.size(3) == 1 || t.stride(3) == t.size(1)) &&
            (t.size(2) == 1 || t.stride(2) == t.size(3) * t.size(1));
   };
-  at::Tensor x = x_in;
+  p.x = x_in;
   int map_hwc = 0;
-  if (dense_chw(x)) {
+  if (dense_chw(p.x)) {
     map_hwc = 0;
-  } else if (dense_hwc(x)) {
+  } else if (dense_hwc(p.x)) {
     map_hwc = 1;
   } else {
-    x = x.contiguous();
+    p.x = p.x.contiguous();
   }
   const int64_t M = C * H * W;
 
-  ConvInputArgs a;
-  a.x = x.data_ptr();
-  a.batch_stride = B == 1 ? M : x.stride(0);
+  ConvInputArgs& a = p.a;
+  a.x = p.x.data_ptr();
+  a.batch_stride = B == 1 ? M : p.x.stride(0);
   a.B = B;
   a.C = C;
   a.H = H;
@@ -163,51 +187,47 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   // launch, and each reads at least 2048 positions (per column) or four passes of the
   // block (per channel tile).
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
-  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  const int64_t vec = 16 / static_cast<int64_t>(p.x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
-  const int64_t nsplit = clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64));
+  p.nsplit = static_cast<int>(clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64)));
   const WindowSumsShape phase2 = window_sums_shape(a);
   const int64_t per_chunk = phase2.by_channel ? 4 * (kCaptureBlock / phase2.lanes) : 2048;
-  int64_t col_chunks =
-      clamp64(ceil_div(target, phase2.blocks_x), 1, std::min<int64_t>(64, ceil_div(phase2.work, per_chunk)));
-
-  unsigned* counters = nullptr;
-  if (col_chunks > 1 && (counters = counter_slots(x, K)) == nullptr) col_chunks = 1;
-
-  // one workspace: the batch-split partial maps (the map itself when nsplit == 1), then
+  p.col_chunks = static_cast<int>(
+      clamp64(ceil_div(target, phase2.blocks_x), 1, std::min<int64_t>(64, ceil_div(phase2.work, per_chunk))));
+  if (p.col_chunks > 1 && (p.counters = counter_slots(p.x, K)) == nullptr) p.col_chunks = 1;
+  // the workspace: the batch-split partial maps (the map itself when nsplit == 1), then
   // the column-chunk partials
-  const int64_t n_maps = nsplit * M;
-  const int64_t n_cols = col_chunks > 1 ? col_chunks * K : 0;
-  at::Tensor ws = new_f32(n_maps + n_cols, x);
-  float* maps = ws.data_ptr<float>();
-  check_launch(launch_conv_input_stats(a, x.scalar_type(), static_cast<int>(nsplit), static_cast<int>(col_chunks), maps,
-                                       n_cols ? maps + n_maps : nullptr, counters, out.data_ptr<float>(),
-                                       current_stream(x)),
-               kConv);
-  return out;
+  p.n_maps = p.nsplit * M;
+  p.n_cols = p.col_chunks > 1 ? p.col_chunks * K : 0;
+  return p;
 }
 
-at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor, bool side) {
+void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
+  check_launch(launch_conv_input_stats(p.a, p.x.scalar_type(), p.nsplit, p.col_chunks, ws,
+                                       p.n_cols ? ws + p.n_maps : nullptr, p.counters, out, stream),
+               kConv);
+}
+
+ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, double divisor) {
   check_input(t_in, kChan, "t");
   const int64_t nd = t_in.dim();
   TORCH_CHECK(nd >= 1, kChan, "t must have at least one dimension");
   TORCH_CHECK(dim >= -nd && dim < nd, kChan, "dim ", num(dim), " is out of range for a tensor of ", num(nd), " dims");
   if (dim < 0) dim += nd;
   const int64_t O = t_in.size(dim);
-  const c10::cuda::CUDAGuard guard(t_in.device());
-  const SideScope scope(t_in, side);  // see conv_input_stats
-  scope.reads(t_in);
-  at::Tensor out = new_f32(O, t_in);
-  if (O == 0) return out;
-  if (t_in.numel() == 0) return out.zero_();
+  ChannelPlan p;
+  p.n_out = O;
+  if (O == 0 || t_in.numel() == 0) {
+    p.zeros = true;
+    return p;
+  }
 
-  at::Tensor t = t_in;
-  ChannelArgs a;
-  bool rows = false;
+  p.t = t_in;
+  ChannelArgs& a = p.a;
   for (int attempt = 0; attempt < 2; ++attempt) {
-    const auto before = merge_dims(t, 0, dim);
-    const auto after = merge_dims(t, dim + 1, nd);
-    const int64_t so = O == 1 ? 0 : t.stride(dim);
+    const auto before = merge_dims(p.t, 0, dim);
+    const auto after = merge_dims(p.t, dim + 1, nd);
+    const int64_t so = O == 1 ? 0 : p.t.stride(dim);
     bool ok = before.first >= 0 && after.first >= 0;
     if (ok) {
       a.A = before.first;
@@ -217,18 +237,18 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
       a.O = O;
       a.so = so;
       if (a.P > 1 && a.sp == 1) {
-        rows = false;
+        p.rows = false;
       } else if (a.so == 1 || O == 1) {
-        rows = true;
+        p.rows = true;
       } else {
         ok = false;
       }
     }
     if (ok) break;
     TORCH_CHECK(attempt == 0, kChan, "internal error: a contiguous tensor did not canonicalise");
-    t = t.contiguous();
+    p.t = p.t.contiguous();
   }
-  a.t = t.data_ptr();
+  a.t = p.t.data_ptr();
   a.square = square ? 1 : 0;
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
@@ -240,22 +260,60 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   // per split.
   const int64_t sms = static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
-  if (rows) {
-    const ChannelRowsShape shape = channel_rows_shape(O, 16 / static_cast<int>(t.element_size()));
+  if (p.rows) {
+    const ChannelRowsShape shape = channel_rows_shape(O, 16 / static_cast<int>(p.t.element_size()));
     const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
     nsplit = clamp64(ceil_div(2 * sms, shape.tiles), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, rows_per_split)));
   } else {
     nsplit = clamp64(ceil_div(8 * sms, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
   }
   nsplit = std::min<int64_t>(nsplit, 1024);
-  unsigned* counters = nullptr;
-  if (nsplit > 1 && (counters = counter_slots(t, O)) == nullptr) nsplit = 1;
-  at::Tensor ws = nsplit > 1 ? new_f32(nsplit * O, t) : at::Tensor();
-  check_launch(launch_channel_stats(a, t.scalar_type(), rows, static_cast<int>(nsplit),
-                                    nsplit > 1 ? ws.data_ptr<float>() : nullptr, counters, out.data_ptr<float>(),
-                                    current_stream(t)),
+  if (nsplit > 1 && (p.counters = counter_slots(p.t, O)) == nullptr) nsplit = 1;
+  p.nsplit = static_cast<int>(nsplit);
+  p.n_ws = nsplit > 1 ? nsplit * O : 0;
+  return p;
+}
+
+void launch(const ChannelPlan& p, float* out, float* ws, cudaStream_t stream) {
+  check_launch(launch_channel_stats(p.a, p.t.scalar_type(), p.rows, p.nsplit, p.n_ws ? ws : nullptr, p.counters, out,
+                                    stream),
                kChan);
+}
+
+// Parts of one float buffer start at multiples of 64 floats (256 bytes: the kernels'
+// vector loads, and the caching allocator's own alignment).
+int64_t aligned(int64_t n) { return (n + 63) / 64 * 64; }
+
+// One op on its own: the output, and the workspace (freed on return, stream-ordered).
+template <typename Plan>
+at::Tensor run_alone(const Plan& p, int64_t n_ws, const at::Tensor& like) {
+  at::Tensor out = new_f32(p.n_out, like);
+  if (p.zeros) return out.zero_();
+  at::Tensor ws = n_ws > 0 ? new_f32(n_ws, like) : at::Tensor();
+  launch(p, out.data_ptr<float>(), n_ws > 0 ? ws.data_ptr<float>() : nullptr, current_stream(like));
   return out;
+}
+
+}  // namespace
+
+at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                            std::vector<int64_t> out_hw, bool side) {
+  check_input(x_in, kConv, "x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const SideScope scope(x_in, side);  // from here on, the current stream is the side stream
+  scope.reads(x_in);
+  const ConvPlan p = plan_conv(x_in, kernel, stride, padding, dilation, groups, out_hw);
+  return run_alone(p, p.n_ws(), x_in);
+}
+
+at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor, bool side) {
+  check_input(t_in, kChan, "t");
+  const c10::cuda::CUDAGuard guard(t_in.device());
+  const SideScope scope(t_in, side);  // see conv_input_stats
+  scope.reads(t_in);
+  const ChannelPlan p = plan_channel(t_in, dim, square, divisor);
+  return run_alone(p, p.n_ws, t_in);
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
@@ -269,20 +327,44 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
               "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
   const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
-  // one ordering for both ops: inside the scope the side stream is current, so they run
-  // there without ordering themselves again
+  // one ordering for both ops, one allocation for both results and one for both
+  // workspaces (freed on return; the results live until the step reads them): inside the
+  // scope the side stream is current, so everything is planned and runs there
   const SideScope scope(x, side);
   scope.reads(x);
   scope.reads(grad);
-  at::Tensor h;
+  ConvPlan pc;
+  ChannelPlan px;
   if (conv) {
     const auto& o = input_op;
-    h = conv_input_stats(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]},
-                         o[9], {o[10], o[11]}, false);
+    pc = plan_conv(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]}, o[9],
+                   {o[10], o[11]});
   } else {
-    h = channel_stats(x, input_op[1], input_op[2] != 0, input_div, false);
+    px = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
   }
-  return {h, channel_stats(grad, grad_dim, grad_square, grad_div, false)};
+  const ChannelPlan pg = plan_channel(grad, grad_dim, grad_square, grad_div);
+  const int64_t nh = conv ? pc.n_out : px.n_out, wh = conv ? pc.n_ws() : px.n_ws;
+  const bool h_zeros = conv ? pc.zeros : px.zeros;
+  const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;
+  at::Tensor out = new_f32(off_s + pg.n_out, x);  // [h | s]
+  at::Tensor ws = n_ws > 0 ? new_f32(n_ws, x) : at::Tensor();  // [h's workspace | s's]
+  float* o = out.data_ptr<float>();
+  float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;
+  const cudaStream_t stream = current_stream(x);
+  at::Tensor h = out.narrow(0, 0, nh), s = out.narrow(0, off_s, pg.n_out);
+  if (h_zeros) {
+    h.zero_();
+  } else if (conv) {
+    launch(pc, o, w, stream);
+  } else {
+    launch(px, o, w, stream);
+  }
+  if (pg.zeros) {
+    s.zero_();
+  } else {
+    launch(pg, o + off_s, w ? w + aligned(wh) : nullptr, stream);
+  }
+  return {h, s};
 }
 
 at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,

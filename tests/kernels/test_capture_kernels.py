@@ -512,6 +512,14 @@ def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
     close(s, s_want, STAT_RTOL)
 
 
+def test_layer_stats_on_an_empty_batch_gives_zeros(ext):
+    op = (1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 5, 5)
+    h, s = ext.layer_stats(randn((0, 4, 5, 5)), randn((0, 6, 5, 5)), op, 0.0, 1, True, 0.0)
+    assert h.shape == (36,) and s.shape == (6,) and not h.any() and not s.any()
+    h, s = ext.layer_stats(randn((0, 7)), randn((0, 3)), (0, -1, 1), 0.0, -1, True, 0.0)
+    assert h.shape == (7,) and s.shape == (3,) and not h.any() and not s.any()
+
+
 def test_layer_stats_raises_clear_errors(ext):
     t = randn((3, 4))
     with pytest.raises(RuntimeError, match="input_op"):
