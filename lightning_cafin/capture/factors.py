@@ -187,7 +187,8 @@ class _KernelBatch:
 
 def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats) -> bool:
     """Whether the batched factor kernel can take this layer's sums ``h``, ``s`` (which
-    devices the kernels take is ``ext_for``'s decision)."""
+    devices the kernels take is ``ext_for``'s decision): float32 vectors on the device of
+    the layer's factors, or of its parameters before it has factors."""
     if not (h.dtype == torch.float32 and s.dtype == torch.float32):
         return False
     if h.dim() != 1 or s.dim() != 1 or h.numel() == 0 or s.numel() == 0:
@@ -195,14 +196,25 @@ def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats
     if not (pending.hn > 0 and pending.sn > 0):
         return False
     device = h.device
-    if s.device != device or cap.device != device:
+    if s.device != device:
         return False
     H, S = cap.H, cap.S
-    if H is not None and S is not None and not (
-            H.dtype == torch.float32 and H.is_contiguous() and S.is_contiguous()
-            and H.device == device and S.device == device):
-        return False
-    return True
+    if H is None or S is None:
+        return cap.device == device
+    return (H.dtype == torch.float32 and H.device == device and S.device == device and H.is_contiguous()
+            and S.is_contiguous())
+
+
+def _kernel_plan(cap: LayerCapture, h: Tensor, hn: float) -> Optional[KernelPlan]:
+    """The rule's plan for these sums, kept per layer while the sums' size and count stay
+    (a capture step asks once per layer; the plan depends on nothing else)."""
+    key = (h.numel(), hn)
+    cached = cap.kernel_plan
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = cap.rule.kernel_plan(cap.module, h, hn)
+    cap.kernel_plan = (key, plan)
+    return plan
 
 
 def update_factors(
@@ -223,7 +235,7 @@ def update_factors(
             report.not_fired.append(cap.name)
             continue
         h, s = pending.sums()
-        plan = cap.rule.kernel_plan(cap.module, h, pending.hn) if _kernel_ready(cap, h, s, pending) else None
+        plan = _kernel_plan(cap, h, pending.hn) if _kernel_ready(cap, h, s, pending) else None
         if plan is not None and _kernels.ext_for(h) is not None:
             batch = batches.get(h.device)
             if batch is None:

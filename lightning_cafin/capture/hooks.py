@@ -62,7 +62,7 @@ from torch.utils.hooks import RemovableHandle
 from . import kernels as _kernels
 from . import streams
 from .layers import LayerRule, gradient_tap
-from .rules.base import FusedStats
+from .rules.base import FusedStats, KernelPlan
 
 #: how many (input, gradient) shape pairs a layer keeps fused descriptions for
 _FUSED_SHAPES = 64
@@ -164,6 +164,8 @@ class LayerCapture:
     refused: int = 0  # forward/backward pairs dropped because their shape changed
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
+    #: the rule's last ``kernel_plan`` and the (sum size, count) it was made for (``factors.py``)
+    kernel_plan: Optional[tuple[tuple[int, float], Optional[KernelPlan]]] = field(default=None, repr=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("S", "H") and value is not getattr(self, name, None):
