@@ -168,3 +168,31 @@ def test_descriptions_are_cached_per_shapes(stand_in):
         opt.step()
     assert sorted(k[0][0] for k in cap.fused) == [2, 5]
     assert stand_in.count("layer_stats") == 3
+
+
+@pytest.mark.parametrize("make, shape, pointwise", [
+    (lambda: nn.Conv2d(5, 3, 1), (2, 5, 4, 3), True),
+    (lambda: nn.Conv2d(5, 3, 1, padding=2), (2, 5, 4, 3), True),  # zero padding adds nothing
+    (lambda: nn.Conv1d(4, 2, 1), (3, 4, 7), True),
+    (lambda: nn.Conv2d(6, 4, 1, stride=2), (2, 6, 5, 5), False),  # positions skipped
+    (lambda: nn.Conv2d(6, 4, 1, groups=2), (2, 6, 3, 3), False),  # taps pooled over the groups
+    (lambda: nn.Conv2d(6, 4, 1, padding=1, padding_mode="reflect"), (2, 6, 3, 3), False),
+])
+def test_pointwise_convolutions_take_one_per_channel_pass(make, shape, pointwise, stand_in):
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(*shape)
+    rule = rule_for(module)
+    h, hn = rule.input_partial(module, x)
+    assert ("conv_input_stats" not in stand_in) == pointwise or module.padding_mode != "zeros"
+    fused = rule.fused_stats(module, x.shape, module(x).shape)
+    if module.padding_mode == "zeros":
+        assert fused is not None and (fused.input_op == (0, 1, 1)) == pointwise
+    saved = ck.ext_for
+    ck.ext_for = lambda *t: None
+    try:
+        want, want_n = rule.input_partial(module.double(), x.double())
+    finally:
+        ck.ext_for = saved
+    assert hn == want_n
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=0)

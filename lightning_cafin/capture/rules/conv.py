@@ -8,8 +8,10 @@ spec's im2col definition.  Summing ``x**2`` over the batch and the groups first 
 small ``(C/g, *spatial)`` map; each tap is then one strided window sum of that map.
 
 On CUDA, 2-D and 1-D convolutions (a 1-D one as a 2-D one of height 1) with zero padding
-use the extension's ``conv_input_stats`` kernel; 3-D ones and other padding modes use the
-torch ops here.
+use the extension's ``conv_input_stats`` kernel, except pointwise ones (1 x 1 at stride 1,
+one group: :func:`pointwise`), whose window sums are the per-channel sums of squares that
+``channel_stats`` computes in one pass; 3-D ones and other padding modes use the torch
+ops here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor, nn
 from ..._conv import call_geometry, conv_padding, pad_like_conv
 from .. import kernels as _kernels
 from .. import streams as _streams
-from .base import FusedStats, KernelPlan, LayerRule, ParamSlot, channel_sums, sum_of_squares
+from .base import FusedStats, KernelPlan, LayerRule, ParamSlot, channel_op, channel_sums, sum_of_squares
 
 
 _ConvNd = nn.modules.conv._ConvNd
@@ -33,6 +35,13 @@ _ConvNd = nn.modules.conv._ConvNd
 def conv_columns(module: _ConvNd) -> int:
     """``K``: the weight's columns, ``C/g * prod(kernel)``."""
     return (module.in_channels // module.groups) * math.prod(module.kernel_size)
+
+
+def pointwise(module: _ConvNd) -> bool:
+    """A 1 x 1 kernel at stride 1 in one group: every input position lies under the one tap
+    exactly once (zero padding adds nothing), so the window sums are the per-channel sums
+    of squares, one pass of the per-channel kernel instead of a map and its window sums."""
+    return module.groups == 1 and all(k == 1 for k in module.kernel_size) and all(st == 1 for st in module.stride)
 
 
 def _conv(module: nn.Module) -> _ConvNd:
@@ -82,6 +91,8 @@ class ConvRule(LayerRule):
         ext = _kernels.ext_for(x) if module.padding_mode == "zeros" else None
         if ext is None:
             return None
+        if pointwise(module):
+            return ext.channel_stats(x, 1, True, 0.0, _streams.side())
         ks, st, dl = module.kernel_size, module.stride, module.dilation
         if len(ks) == 1:  # a 1-D convolution is a 2-D one of height 1
             x, pads, ks, st, dl, out_size = x.unsqueeze(2), (0,) + pads, (1,) + ks, (1,) + st, (1,) + dl, (1,) + out_size
@@ -136,7 +147,7 @@ class ConvRule(LayerRule):
         ks, st, dl = conv.kernel_size, conv.stride, conv.dilation
         if nd == 1:  # a 1-D convolution is a 2-D one of height 1
             ks, st, dl, pads, out_size = (1,) + ks, (1,) + st, (1,) + dl, (0,) + pads, (1,) + out_size
-        op = (1, *ks, *st, *pads, *dl, conv.groups, *out_size)
+        op = channel_op(1, True) if pointwise(conv) else (1, *ks, *st, *pads, *dl, conv.groups, *out_size)
         hn = float(x_shape[0] * positions * conv_columns(conv))
         return FusedStats(op, 0.0, 1, True, 0.0, hn, float(grad_shape[0] * math.prod(grad_shape[2:])))
 
