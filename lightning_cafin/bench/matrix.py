@@ -12,9 +12,9 @@ For each workload (``workloads.py``), on the same model, batch and precision:
 * ``sync``: one train step at a time with a synchronisation after each (what a loop that
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
   step, interleaved; medians and p10/p90 of the paired ratios and differences.  The
-  capture step is also timed with its statistics on the current stream
-  (``capture_stream=False``), beside the default side stream, so that the default can be
-  chosen from a figure measured side by side.
+  capture step is also timed with its statistics on a side stream (``capture_stream=True``)
+  beside the default current stream, so that the default is checked against a figure
+  measured side by side.
 * ``memory``: each optimizer alone on its own model: the allocator's peak during one
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident

@@ -7,8 +7,10 @@ backward hook this survives in-place operations that follow the module
 in-place change receives the gradient of the value it was registered on.
 
 On capture steps the input's statistics are computed together with the gradient's,
-in the backward pass (the forward pass is launch-bound, the backward has host time to
-spare), on a side CUDA stream beside the backward's kernels (``streams.py``).  With a
+in the backward pass (the forward pass is launch-bound), by one extension call per layer
+where the rule describes both sums as one (``FusedStats``: the kernels, the side-stream
+ordering when ``streams.py``'s side stream is on, and the results in one allocation),
+else by the rule's two partial methods.  With a
 frozen weight autograd need not keep the input, and a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, so then the input's statistics are read
 in the forward.
