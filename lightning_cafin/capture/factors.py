@@ -206,9 +206,10 @@ def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats
 
 
 def _kernel_plan(cap: LayerCapture, h: Tensor, hn: float) -> Optional[KernelPlan]:
-    """The rule's plan for these sums, kept per layer while the sums' size and count stay
-    (a capture step asks once per layer; the plan depends on nothing else)."""
-    key = (h.numel(), hn)
+    """The rule's plan for these sums, kept per layer while the sums' size and count and
+    whether the module has a bias stay (a capture step asks once per layer; the built-in
+    plans depend on nothing else)."""
+    key = (h.numel(), hn, cap.module._parameters.get("bias") is not None)
     cached = cap.kernel_plan
     if cached is not None and cached[0] == key:
         return cached[1]

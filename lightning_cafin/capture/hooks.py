@@ -166,8 +166,8 @@ class LayerCapture:
     refused: int = 0  # forward/backward pairs dropped because their shape changed
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
-    #: the rule's last ``kernel_plan`` and the (sum size, count) it was made for (``factors.py``)
-    kernel_plan: Optional[tuple[tuple[int, float], Optional[KernelPlan]]] = field(default=None, repr=False)
+    #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
+    kernel_plan: Optional[tuple[tuple[int, float, bool], Optional[KernelPlan]]] = field(default=None, repr=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("S", "H") and value is not getattr(self, name, None):
