@@ -57,6 +57,10 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
                 "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio"} <= set(wl["sync"])
+        host = wl["host"]
+        assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
+        for kind in ("normal", "capture"):  # host milliseconds per phase, every one measured
+            assert all(host[kind][p]["median"] > 0 and host[kind][p]["n"] >= 1 for p in ("forward", "backward", "step"))
         assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
         assert wl["state"]["adafisher_bytes"]["total"] > 0 and wl["state"]["adam_bytes"] > 0

@@ -19,6 +19,10 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident
   parameters, gradients and state plus the tensors the step creates.
+* ``host``: AdaFisher's normal and capture steps, interleaved, timed per phase on the host
+  (forward with the loss, backward, optimizer step) from a synchronised device with no
+  synchronisation between the phases, and what a capture adds per captured layer: where a
+  capture step's time goes when the host is the bottleneck.
 * ``optimizer_step``: ``optimizer.step()`` alone (eager, a normal step), blocks of steps
   back to back, interleaved with Adam's.
 * ``state``: optimizer-state bytes (AdaFisher's ``memory_usage()``, Adam's two moments).
@@ -31,6 +35,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -40,7 +45,7 @@ from torch import nn
 
 from ..capture import streams as capture_streams
 from ..capture_options import CaptureOptions
-from .timing import elapsed_ms, run_peak, spread, spread_text
+from .timing import elapsed_ms, run_peak, spread, spread_text, sync
 from .workloads import Workload
 
 TCOVS = (100, 10, 1)
@@ -77,6 +82,24 @@ class Trainer:
     def capture_step(self) -> None:
         self.opt.capture_next_step()  # AdaFisher's public request: the next step captures
         self.step()
+
+    def host_phases(self, capture: bool) -> tuple[float, float, float]:
+        """One train step's host milliseconds in the forward (with the loss), the backward and
+        the optimizer step, from a synchronised device and with no synchronisation between
+        the phases: what the host spends, hooks included, whatever the device does."""
+        sync(self.device)
+        if capture:
+            self.opt.capture_next_step()
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.wl.loss(self.model, self.x, self.y, self.device)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        t3 = time.perf_counter()
+        sync(self.device)
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
     def steps(self, n: int) -> None:
         for _ in range(n):
@@ -177,6 +200,26 @@ def capture_step_on_side_stream(t: Trainer) -> None:
         capture_streams.set_enabled(previous)
 
 
+PHASES = ("forward", "backward", "step")
+
+
+def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
+    """Host milliseconds per phase of AdaFisher's normal and capture steps (interleaved),
+    and what a capture step adds per captured layer, in microseconds: the capture step's
+    cost where the host, not the device, is the bottleneck."""
+    rows: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+    for _ in range(reps):
+        for capture in (False, True):
+            rows[capture].append(t.host_phases(capture))
+    layers = max(1, len(t.opt.factors()))
+    out: dict[str, Any] = {"layers": layers}
+    for capture, name in ((False, "normal"), (True, "capture")):
+        out[name] = {phase: spread([r[i] for r in rows[capture]]) for i, phase in enumerate(PHASES)}
+    out["capture_extra_us_per_layer"] = {
+        phase: (out["capture"][phase]["median"] - out["normal"][phase]["median"]) * 1e3 / layers for phase in PHASES}
+    return out
+
+
 def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
     """Step-synchronous train steps, the optimizer step alone, and the state bytes."""
     base, ada = adam(wl, device, batch), adafisher(wl, device, batch, NEVER)
@@ -193,6 +236,7 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
 
     alone = _interleaved({"adam": functools.partial(per_step, base), "adafisher": functools.partial(per_step, ada)},
                          cfg.step_blocks)
+    host = measure_host_phases(ada, cfg.sync_reps)
     ada_state = ada.opt.memory_usage()
     adam_state = adam_state_bytes(base.opt)
     result = {
@@ -204,6 +248,7 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
                  "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio)},
+        "host": host,
         "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
                            "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
         "state": {"adafisher_bytes": ada_state, "adam_bytes": adam_state,
@@ -319,6 +364,13 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}")
+        if "host" in r:
+            h = r["host"]
+            lines.append("  host ms (forward, backward, step): normal " +
+                         ", ".join(f"{h['normal'][p]['median']:.2f}" for p in PHASES) + "; capture " +
+                         ", ".join(f"{h['capture'][p]['median']:.2f}" for p in PHASES) +
+                         f"; a capture adds per layer ({h['layers']}) " +
+                         ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + " us")
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "
