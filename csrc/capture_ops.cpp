@@ -343,6 +343,11 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
     px = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
   }
   const ChannelPlan pg = plan_channel(grad, grad_dim, grad_square, grad_div);
+  // Both plans take counter slots from the stream's one pool, which planning the second
+  // may have grown into a new tensor (it held too few slots): the first takes its slots
+  // again, from the pool as it now is (big enough for both, so nothing grows).
+  if (conv && pc.counters != nullptr) pc.counters = counter_slots(pc.x, pc.n_out);
+  if (!conv && px.counters != nullptr) px.counters = counter_slots(px.t, px.n_out);
   const int64_t nh = conv ? pc.n_out : px.n_out, wh = conv ? pc.n_ws() : px.n_ws;
   const bool h_zeros = conv ? pc.zeros : px.zeros;
   const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;

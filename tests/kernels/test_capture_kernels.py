@@ -512,6 +512,22 @@ def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
     close(s, s_want, STAT_RTOL)
 
 
+def test_layer_stats_when_the_gradient_grows_the_counter_pool(ext, impl):
+    """The gradient's op needs more counter slots than the stream's pool holds, so planning
+    it grows the pool: the input's op, planned first, must still count in live slots."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 20000).to(DEV)
+    x, g = randn((2048, 96)), randn((2048, 20000), torch.bfloat16)
+    fused = rule_for(lin).fused_stats(lin, x.shape, g.shape)
+    stream = torch.cuda.Stream()  # a stream whose pool may still be small
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        h, s = fused.run(ext, x, g, False)
+    torch.cuda.current_stream().wait_stream(stream)
+    close(h, torch_rule(impl, lin, x, "in")[0], STAT_RTOL)
+    close(s, torch_rule(impl, lin, g, "out")[0], STAT_RTOL)
+
+
 def test_layer_stats_on_an_empty_batch_gives_zeros(ext):
     op = (1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 5, 5)
     h, s = ext.layer_stats(randn((0, 4, 5, 5)), randn((0, 6, 5, 5)), op, 0.0, 1, True, 0.0)
