@@ -110,12 +110,11 @@ struct ChannelPlan {
   unsigned* counters = nullptr;
 };
 
-// The stream must be current (and the device guarded) before planning: the counter
-// slots are taken from the current stream's pool.
+// The caller checked the input (check_input, before guarding its device), and made the
+// stream current before planning: the counter slots are taken from the current stream's pool.
 ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, const std::vector<int64_t>& stride,
                    const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
                    const std::vector<int64_t>& out_hw) {
-  check_input(x_in, kConv, "x");
   TORCH_CHECK(x_in.dim() == 4, kConv, "x must be 4-D (B, C, H, W), got ", num(static_cast<int64_t>(x_in.dim())),
               " dims");
   TORCH_CHECK(kernel.size() == 2 && stride.size() == 2 && padding.size() == 2 && dilation.size() == 2 &&
@@ -208,8 +207,8 @@ void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
                kConv);
 }
 
+// As plan_conv: the caller checked the input and made the stream current.
 ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, double divisor) {
-  check_input(t_in, kChan, "t");
   const int64_t nd = t_in.dim();
   TORCH_CHECK(nd >= 1, kChan, "t must have at least one dimension");
   TORCH_CHECK(dim >= -nd && dim < nd, kChan, "dim ", num(dim), " is out of range for a tensor of ", num(nd), " dims");
