@@ -45,6 +45,22 @@ ensure_venv() {
     "$PYTHON" -m venv "$VENV"
 }
 
+# ensure_free_space DIR GB: stops with the figures and what to do when DIR's file system has
+# less than GB gigabytes free.  Installing torch's CUDA build and its NVIDIA wheels takes about
+# 7 GB in .venv plus pip's unpacking in TMPDIR; running out half-way leaves a broken .venv
+# behind an "[Errno 28] No space left on device" from deep inside pip.  The needs can be
+# set with CAFIN_INSTALL_NEEDS_GB (the venv's disk) and CAFIN_INSTALL_TMP_NEEDS_GB (TMPDIR).
+ensure_free_space() {
+    local dir="$1" need_gb="$2" free_kb
+    mkdir -p "$dir"
+    free_kb=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+    if [ "$free_kb" -lt $(( need_gb * 1024 * 1024 )) ]; then
+        echo "error: $dir has $(( free_kb / 1024 / 1024 )) GB free; installing lightning-cafin with torch needs about ${need_gb} GB there." >&2
+        echo "       Free space (old virtual environments or clones, ~/.cache/pip), or point VENV= / TMPDIR= at a larger disk." >&2
+        exit 1
+    fi
+}
+
 # install_project EXTRAS: pip install -e ".[EXTRAS]" into $VENV unless a stamp of the same
 # pyproject.toml and setup.py says these extras (or more) are installed already.
 install_project() {
@@ -61,6 +77,8 @@ install_project() {
         return
     fi
     extras=$(printf '%s\n' $have ${requested//,/ } | sed '/^$/d' | sort -u | paste -sd, -)
+    ensure_free_space "$(dirname "$VENV")" "${CAFIN_INSTALL_NEEDS_GB:-10}"
+    ensure_free_space "${TMPDIR:-/tmp}" "${CAFIN_INSTALL_TMP_NEEDS_GB:-3}"
     echo "== installing lightning-cafin${extras:+[$extras]} and its dependencies into $VENV (torch is large: minutes the first time)"
     "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
     rm -f "$VENV"/.lightning_cafin-installed-*

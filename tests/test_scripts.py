@@ -29,10 +29,14 @@ def project(tmp_path):
     return tmp_path
 
 
+# The stand-in installs nothing: the free-space preflight is tested on its own below.
+_NO_SPACE_NEEDED = {"CAFIN_INSTALL_NEEDS_GB": "0", "CAFIN_INSTALL_TMP_NEEDS_GB": "0"}
+
+
 def _source(project: Path, commands: str, **env: str) -> str:
     script = f"set -euo pipefail; source {REPO / 'scripts' / 'venv.sh'}; {commands}"
     return subprocess.run(["bash", "-c", script], cwd=project, capture_output=True, text=True, check=True,
-                          env={"PATH": "/usr/bin:/bin", **env}).stdout
+                          env={"PATH": "/usr/bin:/bin", **_NO_SPACE_NEEDED, **env}).stdout
 
 
 def _calls(project: Path) -> list[str]:
@@ -69,3 +73,12 @@ def test_python_defaults_to_the_system_interpreter_and_honours_PYTHON(project):
 def test_an_existing_venv_is_reused(project):
     out = _source(project, 'ensure_venv; echo "venv: $VENV"')
     assert "creating" not in out and out.strip().endswith(str(project / ".venv"))
+
+
+def test_an_install_that_would_not_fit_stops_before_pip_and_says_what_to_free(project):
+    script = f"set -euo pipefail; source {REPO / 'scripts' / 'venv.sh'}; install_project dev"
+    env = {"PATH": "/usr/bin:/bin", "CAFIN_INSTALL_NEEDS_GB": str(10**9), "CAFIN_INSTALL_TMP_NEEDS_GB": "0"}
+    run = subprocess.run(["bash", "-c", script], cwd=project, capture_output=True, text=True, env=env)
+    assert run.returncode == 1
+    assert _calls(project) == []
+    assert "GB free" in run.stderr and "VENV=" in run.stderr and "TMPDIR=" in run.stderr
