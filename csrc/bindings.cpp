@@ -4,6 +4,7 @@
 #include "adafisher_step.h"
 #include "capture_launch.h"
 #include "capture_ops.h"
+#include "capture_tap.h"
 #include "side_stream.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -57,9 +58,24 @@ h from x: input_op (0, dim, square) is channel_stats(x, dim, square, input_div);
 (1, kh, kw, sh, sw, pad_top, pad_left, dh, dw, groups, Ho, Wo) is conv_input_stats (a
 3-D x is read as a 2-D map of height 1).  s is channel_stats(grad, grad_dim, grad_square,
 grad_div).  side=True: both on the capture side stream, ordered after the current stream
-once, x and grad marked as read there (join before reading the results).)doc",
+once, x and grad marked as read there (join before reading the results).  CPU tensors
+(any floating dtype) are computed with ATen ops instead (the taps' reference).)doc",
         py::arg("x"), py::arg("grad"), py::arg("input_op"), py::arg("input_div"), py::arg("grad_dim"),
         py::arg("grad_square"), py::arg("grad_div"), py::arg("side") = false);
+  py::class_<lightning_cafin::TapSink, std::shared_ptr<lightning_cafin::TapSink>>(
+      m, "TapSink", "One layer's statistics from the gradient taps fired since they were last taken.")
+      .def(py::init<>())
+      .def("take", &lightning_cafin::TapSink::take,
+           "Every (h, hn, s, sn) added since the last take, oldest first; the sink is then empty.")
+      .def("__len__", &lightning_cafin::TapSink::size);
+  m.def("tap_layer", &lightning_cafin::tap_layer,
+        R"doc(Register on ``output`` (requiring grad) a C++ tensor hook that, when the gradient of
+that value arrives, calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square,
+grad_div, side), adds (h, hn, s, sn) to ``sink`` and lets go of x; a second backward
+through a retained graph adds nothing.  CPU tensors take layer_stats' ATen reference.)doc",
+        py::arg("sink"), py::arg("x"), py::arg("output"), py::arg("input_op"), py::arg("input_div"),
+        py::arg("grad_dim"), py::arg("grad_square"), py::arg("grad_div"), py::arg("hn"), py::arg("sn"),
+        py::arg("side") = false);
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

@@ -318,6 +318,8 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
                                                const std::vector<int64_t>& input_op, double input_div,
                                                int64_t grad_dim, bool grad_square, double grad_div, bool side) {
+  if (x.defined() && x.device().is_cpu() && grad.defined() && grad.device().is_cpu())
+    return layer_stats_reference(x, grad, input_op, input_div, grad_dim, grad_square, grad_div);
   check_input(x, kLayer, "x");
   check_input(grad, kLayer, "grad");
   TORCH_CHECK(x.device() == grad.device(), kLayer, "x and grad must be on one device");

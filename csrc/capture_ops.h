@@ -30,6 +30,12 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
                                                const std::vector<int64_t>& input_op, double input_div,
                                                int64_t grad_dim, bool grad_square, double grad_div, bool side);
 
+// layer_stats' contract on CPU tensors (float32/float64/float16/bfloat16), with ATen ops
+// (capture_reference.cpp; side does not apply).  layer_stats sends CPU tensors here.
+std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
+                                                         const std::vector<int64_t>& input_op, double input_div,
+                                                         int64_t grad_dim, bool grad_square, double grad_div);
+
 // The capture step's factor update for every layer at once (one launch per 56 layers).
 // Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).
 at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,

@@ -56,10 +56,12 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert wl["optimizer"] == ("AdaFisherW" if name == "gpt" else "AdaFisher")
         assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
-                "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio"} <= set(wl["sync"])
+                "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_taps_ms",
+                "taps_above_normal_ms", "taps_vs_python_hooks_ratio"} <= set(wl["sync"])
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
-        for kind in ("normal", "capture"):  # host milliseconds per phase, every one measured
+        assert set(host["taps_extra_us_per_layer"]) == {"forward", "backward", "step"}
+        for kind in ("normal", "capture", "capture_taps"):  # host milliseconds per phase, every one measured
             assert all(host[kind][p]["median"] > 0 and host[kind][p]["n"] >= 1 for p in ("forward", "backward", "step"))
         assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
@@ -69,7 +71,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 9 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 10 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
@@ -77,9 +79,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 9 figures, then the callback's 3
-    assert last[-40].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-39:-3])
+    # the goals table prints last: 4 workloads x 10 figures, then the callback's 3
+    assert last[-44].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-43:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
@@ -96,7 +98,8 @@ def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=
     med = lambda v: {"median": v, "p10": v, "p90": v, "n": 1}
     return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0}},
             "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
-                     "capture_vs_normal_ratio": med(capture_ratio), "side_vs_current_stream_ratio": med(1.03)},
+                     "capture_vs_normal_ratio": med(capture_ratio), "side_vs_current_stream_ratio": med(1.03),
+                     "taps_vs_python_hooks_ratio": med(0.9)},
             "memory": {"capture_vs_normal_ratio": peak}, "optimizer_step": {"vs_adam_ratio": med(step)},
             "state": {"vs_adam_ratio": 1.1}}
 
@@ -107,6 +110,7 @@ def test_goals_are_judged_against_the_issue_limits():
     good = verdict("resnet18")
     assert good["pipelined TCov=1 vs Adam"] is None and good["optimizer state vs Adam"] is None
     assert good["sync capture step, statistics on a side stream vs the current stream"] is None  # a figure, no goal
+    assert good["sync capture step, C++ gradient taps vs Python hooks"] is None
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=10 vs Adam"] is True
@@ -171,3 +175,22 @@ def test_the_side_stream_capture_step_restores_the_options_and_the_stream_settin
         assert t.opt.capture_options is options and streams.enabled() is False
     finally:
         streams.set_enabled(before)
+
+
+def test_the_capture_step_with_taps_turns_them_on_for_that_step_only():
+    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_with_taps
+    from lightning_cafin.capture import taps
+
+    dev = torch.device("cpu")
+    wl = workloads(dev, quick=True)["resnet18"]
+    t = adafisher(wl, dev, wl.batch(dev), NEVER)
+    t.steps(2)
+    before = taps.set_enabled(False)
+    try:
+        seen = []
+        t.opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append((opt.capture_due, taps.enabled())))
+        capture_step_with_taps(t)
+        t.step()
+        assert seen == [(True, True), (False, False)]  # the capture step had taps on; the setting came back
+    finally:
+        taps.set_enabled(before)

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..capture import streams as capture_streams
+from ..capture import taps as capture_taps
 from ..capture_options import CaptureOptions
 from .timing import elapsed_ms, run_peak, spread, spread_text, sync
 from .workloads import Workload
@@ -200,23 +201,50 @@ def capture_step_on_side_stream(t: Trainer) -> None:
         capture_streams.set_enabled(previous)
 
 
+def capture_step_with_taps(t: Trainer) -> None:
+    """A capture step with the statistics taken by C++ gradient taps (``capture/taps.py``,
+    the alternative to the Python hooks); the process-wide setting is restored after it."""
+    previous = capture_taps.set_enabled(True)
+    try:
+        t.capture_step()
+    finally:
+        capture_taps.set_enabled(previous)
+
+
+def _host_phases_with_taps(t: Trainer) -> tuple[float, float, float]:
+    previous = capture_taps.set_enabled(True)
+    try:
+        return t.host_phases(True)
+    finally:
+        capture_taps.set_enabled(previous)
+
+
 PHASES = ("forward", "backward", "step")
+#: the step kinds whose host phases are timed: a normal step, a capture step, and one with taps
+HOST_KINDS = ("normal", "capture", "capture_taps")
 
 
 def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
     """Host milliseconds per phase of AdaFisher's normal and capture steps (interleaved),
     and what a capture step adds per captured layer, in microseconds: the capture step's
     cost where the host, not the device, is the bottleneck."""
-    rows: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+    timed: dict[str, Callable[[], tuple[float, float, float]]] = {
+        "normal": functools.partial(t.host_phases, False), "capture": functools.partial(t.host_phases, True),
+        "capture_taps": functools.partial(_host_phases_with_taps, t)}
+    rows: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in HOST_KINDS}
     for _ in range(reps):
-        for capture in (False, True):
-            rows[capture].append(t.host_phases(capture))
+        for kind in HOST_KINDS:
+            rows[kind].append(timed[kind]())
     layers = max(1, len(t.opt.factors()))
     out: dict[str, Any] = {"layers": layers}
-    for capture, name in ((False, "normal"), (True, "capture")):
-        out[name] = {phase: spread([r[i] for r in rows[capture]]) for i, phase in enumerate(PHASES)}
-    out["capture_extra_us_per_layer"] = {
-        phase: (out["capture"][phase]["median"] - out["normal"][phase]["median"]) * 1e3 / layers for phase in PHASES}
+    for kind in HOST_KINDS:
+        out[kind] = {phase: spread([r[i] for r in rows[kind]]) for i, phase in enumerate(PHASES)}
+
+    def per_layer_us(more: str, less: str) -> dict[str, float]:
+        return {phase: (out[more][phase]["median"] - out[less][phase]["median"]) * 1e3 / layers for phase in PHASES}
+
+    out["capture_extra_us_per_layer"] = per_layer_us("capture", "normal")
+    out["taps_extra_us_per_layer"] = per_layer_us("capture_taps", "normal")
     return out
 
 
@@ -226,10 +254,12 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     base.steps(cfg.warmup)
     ada.steps(cfg.warmup)
     on_side = functools.partial(capture_step_on_side_stream, ada)
+    with_taps = functools.partial(capture_step_with_taps, ada)
     sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                          "normal": functools.partial(elapsed_ms, ada.step, device),
                          "capture": functools.partial(elapsed_ms, ada.capture_step, device),
-                         "capture_side_stream": functools.partial(elapsed_ms, on_side, device)}, cfg.sync_reps)
+                         "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
+                         "capture_taps": functools.partial(elapsed_ms, with_taps, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
@@ -247,7 +277,10 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_vs_normal_ratio": _paired(sync["capture"], sync["normal"], _ratio),
                  "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
-                 "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio)},
+                 "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio),
+                 "capture_taps_ms": spread(sync["capture_taps"]),
+                 "taps_above_normal_ms": _paired(sync["capture_taps"], sync["normal"], _diff),
+                 "taps_vs_python_hooks_ratio": _paired(sync["capture_taps"], sync["capture"], _ratio)},
         "host": host,
         "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
                            "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
@@ -327,6 +360,7 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(("sync capture step vs normal", s["capture_vs_normal_ratio"]["median"], "x", 1.05))
     rows += [("sync capture step, statistics on a side stream vs the current stream",
               s["side_vs_current_stream_ratio"]["median"], "x", None),
+             ("sync capture step, C++ gradient taps vs Python hooks", s["taps_vs_python_hooks_ratio"]["median"], "x", None),
              ("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
              ("optimizer step vs Adam (eager)", r["optimizer_step"]["vs_adam_ratio"]["median"], "x", 0.6),
              ("optimizer state vs Adam", r["state"]["vs_adam_ratio"], "x", None)]
@@ -363,14 +397,16 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
         lines.append(f"  pipelined ms/step: Adam {ms(p['adam_ms'])}; " +
                      "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
-                     f"capture on a side stream {ms(s['capture_side_stream_ms'])}")
+                     f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
+                     f"capture with C++ taps {ms(s['capture_taps_ms'])}")
         if "host" in r:
             h = r["host"]
-            lines.append("  host ms (forward, backward, step): normal " +
-                         ", ".join(f"{h['normal'][p]['median']:.2f}" for p in PHASES) + "; capture " +
-                         ", ".join(f"{h['capture'][p]['median']:.2f}" for p in PHASES) +
-                         f"; a capture adds per layer ({h['layers']}) " +
-                         ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + " us")
+            lines.append("  host ms (forward, backward, step): " + "; ".join(
+                f"{kind.replace('_', ' with ')} " + ", ".join(f"{h[kind][p]['median']:.2f}" for p in PHASES)
+                for kind in HOST_KINDS))
+            lines.append(f"  a capture adds per layer ({h['layers']}), us: Python hooks " +
+                         ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + "; C++ taps " +
+                         ", ".join(f"{h['taps_extra_us_per_layer'][p]:.0f}" for p in PHASES))
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "

@@ -10,7 +10,10 @@ On capture steps the input's statistics are computed together with the gradient'
 in the backward pass (the forward pass is launch-bound), by one extension call per layer
 where the rule describes both sums as one (``FusedStats``: the kernels, the side-stream
 ordering when ``streams.py``'s side stream is on, and the results in one allocation),
-else by the rule's two partial methods.  With a
+else by the rule's two partial methods.  With C++ gradient taps on (``taps.py``), a layer
+whose statistics are that one call gets a tap registered on its output by one extension
+call in the forward instead of a Python tensor hook: the backward then runs no Python
+for it, and ``LayerCapture.pending`` takes the tap's results.  With a
 frozen weight autograd need not keep the input, and a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, so then the input's statistics are read
 in the forward.
@@ -55,14 +58,15 @@ import contextlib
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from types import ModuleType
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from . import kernels as _kernels
-from . import streams
+from . import streams, taps
 from .layers import LayerRule, gradient_tap
 from .rules.base import FusedStats, KernelPlan
 
@@ -162,8 +166,10 @@ class LayerCapture:
     is_capturing: Callable[[], bool]
     S: Optional[Tensor] = None
     H: Optional[Tensor] = None
-    pending: PendingStats = field(default_factory=PendingStats)
+    _pending: PendingStats = field(default_factory=PendingStats, repr=False)
     refused: int = 0  # forward/backward pairs dropped because their shape changed
+    #: the extension's ``TapSink`` the layer's C++ gradient taps fill (``taps.py``), once one was used
+    sink: Any = field(default=None, repr=False)
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
     #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
@@ -196,12 +202,31 @@ class LayerCapture:
             stats = self.fused[key] = self.rule.fused_stats(self.module, x.shape, grad.shape)
             return stats
 
+    @property
+    def pending(self) -> PendingStats:
+        """The statistics gathered since the last optimizer step, the C++ taps' included."""
+        sink = self.sink
+        if sink is not None and len(sink):
+            for h, hn, s, sn in sink.take():
+                self.commit(h, hn, s, sn)
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: PendingStats) -> None:
+        self._pending = value
+
+    def tap_sink(self, ext: ModuleType) -> Any:
+        """The layer's ``TapSink`` for ``tap_layer`` (made on first use)."""
+        if self.sink is None:
+            self.sink = ext.TapSink()
+        return self.sink
+
     def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
-        if not self.pending.add(h, hn, s, sn):
+        if not self._pending.add(h, hn, s, sn):
             self.refused += 1
 
     def take_pending(self) -> PendingStats:
-        pending, self.pending = self.pending, PendingStats()
+        pending, self._pending = self.pending, PendingStats()
         return pending
 
 
@@ -368,6 +393,8 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     x = x.detach()
     rule = capture.rule
     if _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
+        if tap is None and isinstance(output, Tensor) and taps.enabled() and _tapped(capture, x, output):
+            return
         # The input's statistics are computed with the gradient's, in the backward pass,
         # where the host has time to spare (the forward is launch-bound).  Holding x
         # costs nothing: autograd holds it for the weight's gradient, which is also why
@@ -407,6 +434,20 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         tap.call = on_output_grad
     elif isinstance(output, Tensor):
         output.register_hook(on_output_grad)
+
+
+def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
+    """Register the layer's C++ gradient tap (``taps.py``) where the Python hook would make
+    one extension call in the backward; False (nothing registered) elsewhere.  The gradient
+    has the output's shape, dtype and device, so both decide as the gradient would."""
+    ext = _kernels.ext_for(x, output)
+    if ext is None or not taps.available(ext):
+        return False
+    fused = capture.fused_stats(x, output)
+    if fused is None:
+        return False
+    fused.tap(ext, capture.tap_sink(ext), x, output, streams.side())
+    return True
 
 
 def _hook_for(slot: "_Slot") -> Callable[..., None]:

@@ -45,7 +45,8 @@ def verbose_requested() -> bool:
     return os.environ.get("LIGHTNING_CAFIN_VERBOSE_BUILD", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _is_built(build_dir: Path) -> bool:
+def is_built(build_dir: Path) -> bool:
+    """Whether ``build_dir`` holds a compiled module."""
     return any(build_dir.glob(f"{EXTENSION_NAME}*.so")) or any(build_dir.glob(f"{EXTENSION_NAME}*.pyd"))
 
 
@@ -109,7 +110,7 @@ def build_and_load(tool: Toolchain, verbose: bool) -> tuple[Optional[ModuleType]
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         (build_dir / "key.json").write_text(json.dumps(build_key(tool), indent=2) + "\n")
-        building = not _is_built(build_dir)
+        building = not is_built(build_dir)
         if building:
             _announce_build(build_dir, tool, verbose)
         from torch.utils import cpp_extension

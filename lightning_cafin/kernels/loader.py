@@ -43,7 +43,7 @@ import torch
 
 from . import build, prebuilt_copy, toolchain
 # Also offered here, as before the loader was split; they live (and are patched) in their modules.
-from .build_cache import build_key, cache_root
+from .build_cache import build_directory, build_key, cache_root
 from .info import ExtensionInfo
 from .prebuilt_copy import PREBUILT_DIR
 from .sources import EXTENSION_NAME, header_files, source_files, source_hash
@@ -51,9 +51,8 @@ from .toolchain import DEFAULT_ARCH_LIST, Toolchain
 
 __all__ = [
     "DEFAULT_ARCH_LIST", "EXTENSION_NAME", "PREBUILT_DIR", "ExtensionInfo", "build_key", "can_run_fused",
-    "extension_info", "extension_or_none", "fresh_load_attempt", "header_files", "load_attempted", "load_extension",
-    "main",
-    "source_files", "source_hash",
+    "extension_if_built", "extension_info", "extension_or_none", "fresh_load_attempt", "header_files",
+    "load_attempted", "load_extension", "main", "source_files", "source_hash",
 ]
 
 _lock = threading.Lock()
@@ -118,6 +117,23 @@ def extension_or_none() -> Optional[ModuleType]:
     """
     info = extension_info()
     return _module if info.loaded else None
+
+
+def extension_if_built() -> Optional[ModuleType]:
+    """The compiled module when it can be had without compiling (a fitting copy built at
+    install time, or this build already in the cache), else None; never builds.
+
+    For what runs the extension's CPU paths without a GPU (tests of the C++ gradient taps):
+    a process that needs the module anyway uses :func:`extension_or_none`.
+    """
+    if _info is None and prebuilt_copy.find_prebuilt() is None:
+        try:
+            tool = toolchain.check()
+        except Exception:  # noqa: BLE001 - no toolchain: nothing could have been built with it
+            return None
+        if not build.is_built(build_directory(tool)):
+            return None
+    return extension_or_none()
 
 
 def can_run_fused() -> tuple[bool, str]:

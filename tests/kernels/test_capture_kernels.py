@@ -577,3 +577,47 @@ def test_first_capture_of_a_real_network_equals_the_torch_path(ext, impl):
     for n in results["torch"]:
         close(results["kernels"][n][0], results["torch"][n][0], 1e-5)
         close(results["kernels"][n][1], results["torch"][n][1], 1e-5)
+
+
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
+def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side):
+    """The C++ gradient taps (``capture/taps.py``) on a ResNet: every layer whose input is
+    kept for the backward tapped, and the first capture's factors those of the Python hooks, which make the same
+    ``layer_stats`` calls (to 1e-6: cuDNN's backward need not be bitwise reproducible)."""
+    from lightning_cafin import AdaFisher
+    from lightning_cafin.capture import streams, taps
+    from lightning_cafin.models import ResNet18
+
+    impl("kernels")
+    torch.manual_seed(0)
+    base = ResNet18(10, 3, 8).to(DEV)
+    x = torch.randn(6, 3, 16, 16, device=DEV)
+    y = torch.randint(0, 10, (6,), device=DEV)
+    if precision != "fp32":
+        base, x = base.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    results = {}
+    before_taps, before_side = taps.set_enabled(False), streams.set_enabled(side)
+    try:
+        for tapped in (False, True):
+            taps.set_enabled(tapped)
+            model = copy.deepcopy(base)
+            opt = AdaFisher(model, lr=1e-3, TCov=100, backend="fused")
+            with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            caps = opt.binding.captures
+            # under bf16 autocast the stem convolution computes on a cast copy of the float32
+            # image, so its input's statistics are read in the forward (no tap)
+            want = (41 if precision == "fp32" else 40) if tapped else 0
+            assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == want
+            opt.step()
+            assert opt.health["capture_steps"] == 1 and opt.health["non_finite_statistics"] == 0
+            results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in caps.items()}
+    finally:
+        taps.set_enabled(before_taps)
+        streams.set_enabled(before_side)
+    assert results[False].keys() == results[True].keys() and len(results[True]) == 41
+    for n in results[False]:
+        close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
+        close(results[True][n][1], results[False][n][1], FACTOR_RTOL)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +115,12 @@ class FusedStats:
         """``(h, s)`` from the extension's one call (``side``: on the capture side stream)."""
         return ext.layer_stats(x, grad, self.input_op, self.input_div, self.grad_dim, self.grad_square,
                                self.grad_div, side)
+
+    def tap(self, ext: ModuleType, sink: Any, x: Tensor, output: Tensor, side: bool) -> None:
+        """Register the extension's C++ gradient tap on ``output``: when its gradient arrives,
+        this description's ``layer_stats`` call runs and ``(h, hn, s, sn)`` goes to ``sink``."""
+        ext.tap_layer(sink, x, output, self.input_op, self.input_div, self.grad_dim, self.grad_square,
+                      self.grad_div, self.hn, self.sn, side)
 
 
 def channel_op(dim: int, square: bool) -> tuple[int, int, int]:

@@ -1,0 +1,83 @@
+// layer_stats on CPU tensors, with ATen ops: the contract of capture_ops.h restated for the
+// host, so that what calls layer_stats from C++ (the gradient taps, capture_tap.h) runs and
+// is tested on a machine without a GPU.  The CUDA kernels are tested against the float64
+// torch rules on the GPU; this is tested against the same rules on the CPU.  Not a fast
+// path: the capture hooks send CPU tensors to the torch rules.
+#include "capture_ops.h"
+#include "checks.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/core/WrapDimMinimal.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace lightning_cafin {
+namespace {
+
+const char* kRef = "layer_stats (CPU): ";
+
+// t (as float32, squared when `square`) summed over every dim but `dim`, times
+// float(1 / divisor) when divisor > 0.
+at::Tensor channel_sums(const at::Tensor& t, int64_t dim, bool square, double divisor) {
+  TORCH_CHECK(t.dim() >= 1, kRef, "a channel sum needs at least one dim");
+  dim = c10::maybe_wrap_dim(dim, t.dim());
+  at::Tensor f = t.to(at::kFloat);
+  if (square) f = f * f;
+  std::vector<int64_t> others;
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (d != dim) others.push_back(d);
+  at::Tensor out = others.empty() ? f.clone() : f.sum(others);
+  if (divisor > 0) out.mul_(static_cast<float>(1.0 / divisor));
+  return out.contiguous();
+}
+
+// [C/groups * kh * kw], in the weight's (c, ki, kj) order: the squared zero-padded input
+// under each tap, summed over the batch, the groups and every output position.
+at::Tensor window_sums(const at::Tensor& x_in, const std::vector<int64_t>& o) {
+  const at::Tensor x = x_in.dim() == 3 ? x_in.unsqueeze(2) : x_in;
+  TORCH_CHECK(x.dim() == 4, kRef, "the convolution input must be 3-D or 4-D, got ", num(static_cast<int64_t>(x_in.dim())),
+              " dims");
+  const int64_t kh = o[1], kw = o[2], sh = o[3], sw = o[4], pt = o[5], pl = o[6], dh = o[7], dw = o[8], groups = o[9];
+  const int64_t Ho = o[10], Wo = o[11], C = x.size(1), H = x.size(2), W = x.size(3);
+  TORCH_CHECK(kh > 0 && kw > 0 && sh > 0 && sw > 0 && dh > 0 && dw > 0 && pt >= 0 && pl >= 0 && groups > 0 &&
+                  C % groups == 0 && Ho >= 0 && Wo >= 0,
+              kRef, "invalid convolution geometry");
+  const int64_t Cg = C / groups;
+  at::Tensor out = at::zeros({Cg * kh * kw}, x.options().dtype(at::kFloat));
+  if (Ho == 0 || Wo == 0 || x.size(0) == 0) return out;
+  // padded so that every tap's strided window lies inside
+  const int64_t pb = std::max<int64_t>(0, (Ho - 1) * sh + (kh - 1) * dh + 1 - H - pt);
+  const int64_t pr = std::max<int64_t>(0, (Wo - 1) * sw + (kw - 1) * dw + 1 - W - pl);
+  at::Tensor sq = x.to(at::kFloat);
+  sq = at::constant_pad_nd(sq * sq, {pl, pr, pt, pb}, 0.0);
+  at::Tensor taps = out.view({Cg, kh, kw});
+  for (int64_t ki = 0; ki < kh; ++ki) {
+    for (int64_t kj = 0; kj < kw; ++kj) {
+      at::Tensor win = sq.slice(2, ki * dh, ki * dh + (Ho - 1) * sh + 1, sh).slice(3, kj * dw, kj * dw + (Wo - 1) * sw + 1, sw);
+      taps.select(2, kj).select(1, ki).copy_(win.sum({0, 2, 3}).view({groups, Cg}).sum(0));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
+                                                         const std::vector<int64_t>& input_op, double input_div,
+                                                         int64_t grad_dim, bool grad_square, double grad_div) {
+  for (const at::Tensor* t : {&x, &grad}) {
+    TORCH_CHECK(t->defined() && t->device().is_cpu(), kRef, "x and grad must be CPU tensors");
+    TORCH_CHECK(at::isFloatingType(t->scalar_type()), kRef, "x and grad must be floating point, got ",
+                dtype_name(t->scalar_type()));
+  }
+  const bool conv = !input_op.empty() && input_op[0] == 1;
+  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), kRef,
+              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
+  const c10::NoGradGuard no_grad;
+  at::Tensor h = conv ? window_sums(x, input_op) : channel_sums(x, input_op[1], input_op[2] != 0, input_div);
+  return {h, channel_sums(grad, grad_dim, grad_square, grad_div)};
+}
+
+}  // namespace lightning_cafin

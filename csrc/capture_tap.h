@@ -1,0 +1,48 @@
+// Gradient taps: a layer's capture statistics taken in C++ when the gradient of its output
+// arrives, with no Python in the backward pass.
+//
+// The capture forward hook (lightning_cafin/capture/hooks.py) calls tap_layer once per
+// captured layer with the layer's input x, its output and the arguments of layer_stats;
+// tap_layer registers a C++ tensor hook on the output.  In the backward pass the hook
+// calls layer_stats(x, grad, ...), adds (h, hn, s, sn) to the layer's TapSink and lets go
+// of x.  What it replaces: a Python tensor hook, whose registration, call into the
+// interpreter and op-argument parsing cost the host tens of microseconds per layer on a
+// slow host, where a capture step is host-bound.
+//
+// Semantics are the Python hook's: registered on the output before any in-place change
+// of it, the hook receives the gradient of the value it was registered on; x is held
+// only until the hook fires (autograd keeps x for the weight's gradient anyway); a second
+// backward through a retained graph finds x gone and adds nothing.  An error in
+// layer_stats is raised by the backward call.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace lightning_cafin {
+
+// One layer's statistics from the taps that fired since they were last taken: filled on
+// the autograd thread, taken by the optimizer after the backward pass.
+class TapSink {
+ public:
+  using Result = std::tuple<at::Tensor, double, at::Tensor, double>;  // (h, hn, s, sn)
+  void add(Result r);
+  std::vector<Result> take();
+  int64_t size() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Result> results_;
+};
+
+// Register on `output` (which must require grad) the tap described above.
+void tap_layer(const std::shared_ptr<TapSink>& sink, const at::Tensor& x, const at::Tensor& output,
+               std::vector<int64_t> input_op, double input_div, int64_t grad_dim, bool grad_square, double grad_div,
+               double hn, double sn, bool side);
+
+}  // namespace lightning_cafin

@@ -1,0 +1,53 @@
+"""Whether a captured layer's statistics are taken by a C++ gradient tap instead of a Python
+tensor hook.
+
+A capture step is host-bound: per captured layer the Python tensor hook costs its
+registration in the forward (11 microseconds a call, measured on the H200 machine's host),
+then in the backward a call into the interpreter, the hook's own Python and the
+statistics op's argument parsing.  With the tap, the forward hook makes one extension call
+(``tap_layer``, ``csrc/capture_tap.h``) that registers a C++ hook on the output; in the
+backward pass that hook runs ``layer_stats`` and stores its results in the layer's
+``TapSink`` without entering Python, and the optimizer takes them at the step
+(``LayerCapture.pending``).  The statistics are the same kernels' (the same one call per
+layer the Python hook makes); only where the host spends its time changes.
+
+Taken only where the Python hook would make that one call (a layer whose rule has a
+``FusedStats`` for the shapes, tensors the kernels take, the input kept for the backward);
+everything else keeps the Python hook.
+
+Off by default until its host-time saving is measured on the GPU (the bench times a
+capture step with taps beside one without): :func:`set_enabled`, or
+``LIGHTNING_CAFIN_CAPTURE_TAP=1`` (read when first needed, not at import), turns it on.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Optional
+
+from .streams import parse_flag
+
+ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_TAP"
+
+_enabled: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
+
+
+def set_enabled(on: bool) -> bool:
+    """Take statistics with C++ taps (True) or Python hooks (False); returns the previous setting."""
+    global _enabled
+    previous, _enabled = enabled(), bool(on)
+    return previous
+
+
+def enabled() -> bool:
+    """The setting in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_TAP``, else off."""
+    global _enabled
+    if _enabled is None:
+        _enabled = parse_flag(os.environ.get(ENV_VAR, "0").strip() or "0", f"the environment variable {ENV_VAR}")
+    return _enabled
+
+
+def available(ext: ModuleType) -> bool:
+    """Whether the loaded extension has the taps (a build from before them has not)."""
+    return hasattr(ext, "tap_layer")

@@ -1,0 +1,182 @@
+"""C++ gradient taps (``csrc/capture_tap.h``, ``capture/taps.py``) on the CPU, with the compiled
+extension: its ``layer_stats`` on CPU tensors (the ATen reference the taps call here)
+computes each rule's two partial sums, and a capture through taps gives the factors and
+weights of a capture through the Python hooks, bit for bit, with every C++ path a tap
+has (micro-batches, a retained graph, an error, layers that are not fusable).
+
+The CUDA kernels behind ``layer_stats`` are compared with the rules in ``tests/kernels``.
+These tests need the extension built (``python -m lightning_cafin.kernels.loader --build``;
+``.ci/run`` builds it and sets ``CAFIN_REQUIRE_EXTENSION=1``, which makes a missing one a
+failure instead of a skip); they never build it themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.capture import kernels as ck
+from lightning_cafin.capture import taps
+from lightning_cafin.capture.layers import rule_for
+from lightning_cafin.kernels.loader import extension_if_built
+
+from .test_capture_impl import fake_factor_update_
+from .test_fused_stats import CASES, _Net
+from .test_rules_kernels import fake_channel_stats, fake_conv_input_stats
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = extension_if_built()
+    if module is None or not hasattr(module, "tap_layer"):
+        why = "the CUDA extension is not built here (python -m lightning_cafin.kernels.loader --build)"
+        if os.environ.get("CAFIN_REQUIRE_EXTENSION") == "1":
+            pytest.fail(why + ", and CAFIN_REQUIRE_EXTENSION=1 requires it")
+        pytest.skip(why)
+    return module
+
+
+@pytest.fixture
+def tap_setting():
+    previous = taps.set_enabled(False)
+    yield
+    taps.set_enabled(previous)
+
+
+@pytest.fixture
+def on_cpu(ext, monkeypatch, tap_setting):
+    """The capture path sees the extension for float32 CPU tensors (layer_stats' CPU reference,
+    the taps), with the factor update's stand-in; counts the ops the Python hooks call."""
+    calls: list[str] = []
+
+    def layer_stats(*args):
+        calls.append("layer_stats")
+        return ext.layer_stats(*args)
+
+    stand_in = types.SimpleNamespace(layer_stats=layer_stats, tap_layer=ext.tap_layer, TapSink=ext.TapSink,
+                                     channel_stats=fake_channel_stats, conv_input_stats=fake_conv_input_stats,
+                                     factor_update_=fake_factor_update_)
+    monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if case[2]))
+def test_reference_layer_stats_compute_the_rules_partials(ext, name, dtype):
+    make, shape, _ = CASES[name]
+    torch.manual_seed(0)
+    module = make().double()
+    x = torch.randn(*shape, dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        grad = torch.randn_like(module(x.double())).to(dtype)
+    rule = rule_for(module)
+    fused = rule.fused_stats(module, x.shape, grad.shape)
+    saved = ck.ext_for
+    ck.ext_for = lambda *t: None  # the partials on the torch ops, in float64
+    try:
+        h_want, _ = rule.input_partial(module, x.double())
+        s_want, _ = rule.output_partial(module, grad.double())
+    finally:
+        ck.ext_for = saved
+    h, s = ext.layer_stats(x, grad, fused.input_op, fused.input_div, fused.grad_dim, fused.grad_square,
+                           fused.grad_div, False)
+    assert h.dtype == s.dtype == torch.float32 and h.is_contiguous() and s.is_contiguous()
+    torch.testing.assert_close(h.double(), h_want.double().flatten(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.double(), s_want.double().flatten(), rtol=1e-5, atol=1e-6)
+
+
+def _train(model, steps, taps_on, micro_batches=1):
+    taps.set_enabled(taps_on)
+    torch.manual_seed(1)
+    opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(micro_batches):
+            x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return opt
+
+
+def test_taps_give_the_python_hooks_factors_and_weights(on_cpu):
+    torch.manual_seed(0)
+    model = _Net()
+    hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train(hooked, 3, taps_on=False)
+    python_calls = on_cpu.count("layer_stats")
+    got = _train(tapped, 3, taps_on=True)
+    fusable = {"conv", "bn", "conv1d", "ln", "fc"}
+    assert python_calls == 3 * len(fusable)
+    assert on_cpu.count("layer_stats") == python_calls  # no Python hook called it for the tapped run
+    for name, cap in got.binding.captures.items():
+        assert (cap.sink is not None) == (name in fusable), name
+        want = ref.binding.captures[name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+    for p, q in zip(tapped.parameters(), hooked.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_micro_batches_add_up_as_with_the_python_hooks(on_cpu):
+    torch.manual_seed(0)
+    model = _Net()
+    hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train(hooked, 2, taps_on=False, micro_batches=3)
+    got = _train(tapped, 2, taps_on=True, micro_batches=3)
+    for name, cap in got.binding.captures.items():
+        want = ref.binding.captures[name]
+        torch.testing.assert_close(cap.H, want.H, rtol=1e-6, atol=0)
+        torch.testing.assert_close(cap.S, want.S, rtol=1e-6, atol=0)
+
+
+def test_pending_holds_what_the_taps_took_and_a_retained_graph_adds_nothing(on_cpu):
+    taps.set_enabled(True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+    loss = model(torch.randn(5, 6)).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()  # the taps' inputs are gone: nothing more
+    caps = list(opt.binding.captures.values())
+    assert [len(c.sink) for c in caps] == [1, 1]
+    pending = [c.pending for c in caps]  # reading takes the results from the sink
+    assert [p.calls for p in pending] == [1, 1] and [len(c.sink) for c in caps] == [0, 0]
+    assert pending[0].hn == 5 and pending[0].sn == 5 and pending[0].h.shape == (6,) and pending[0].s.shape == (4,)
+
+
+def test_a_failing_tap_raises_from_the_backward_call(ext):
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 2, requires_grad=True)
+    out = x @ w
+    sink = ext.TapSink()
+    ext.tap_layer(sink, x, out, [0, 7, 1], 0.0, 1, True, 0.0, 3.0, 3.0)  # dim 7 of a 2-D input
+    with pytest.raises((RuntimeError, IndexError), match="[Dd]imension|dim"):
+        out.sum().backward()
+    assert len(sink) == 0
+
+
+def test_tap_layer_refuses_an_output_without_grad(ext):
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="output must require grad"):
+        ext.tap_layer(ext.TapSink(), x, x * 2, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
+
+
+@pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("", "False"), ("sometimes", "ValueError")])
+def test_the_setting_comes_from_its_environment_variable(value, want):
+    code = ("from lightning_cafin.capture import taps\n"
+            "try:\n    print(taps.enabled())\nexcept ValueError as e:\n    print('ValueError', e)")
+    env = {**os.environ, taps.ENV_VAR: value, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.startswith(want), out.stderr
+    if want == "ValueError":
+        assert taps.ENV_VAR in out.stdout
