@@ -484,8 +484,12 @@ def _computed_on_a_cast(x: Tensor, output: object) -> bool:
 
 
 def _input_saved_for_backward(module: nn.Module) -> bool:
-    """Whether autograd keeps the module's input until its backward (the weight needs it)."""
-    weight = getattr(module, "weight", None)
+    """Whether autograd keeps the module's input until its backward (the weight needs it).
+    A registered parameter is read from the module's dict (``nn.Module.__getattr__`` is a
+    Python call per captured layer); a weight that is a property (a parametrization) by
+    ``getattr``."""
+    params = module._parameters
+    weight = params["weight"] if "weight" in params else getattr(module, "weight", None)
     return isinstance(weight, Tensor) and weight.requires_grad
 
 
