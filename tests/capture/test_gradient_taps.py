@@ -2,7 +2,8 @@
 extension: its ``layer_stats`` on CPU tensors (the ATen reference the taps call here)
 computes each rule's two partial sums, and a capture through taps gives the factors and
 weights of a capture through the Python hooks, bit for bit, with every C++ path a tap
-has (micro-batches, a retained graph, an error, layers that are not fusable).
+has (micro-batches, a retained graph, activation checkpointing, an error, layers that
+are not fusable).
 
 The CUDA kernels behind ``layer_stats`` are compared with the rules in ``tests/kernels``.
 These tests need the extension built (``python -m lightning_cafin.kernels.loader --build``;
@@ -29,6 +30,7 @@ from lightning_cafin.capture import taps
 from lightning_cafin.capture.layers import rule_for
 from lightning_cafin.kernels.loader import extension_if_built
 
+from .test_activation_checkpointing import Net, factors_after_two_captures
 from .test_capture_impl import fake_factor_update_
 from .test_fused_stats import CASES, _Net
 from .test_rules_kernels import fake_channel_stats, fake_conv_input_stats
@@ -180,3 +182,19 @@ def test_the_setting_comes_from_its_environment_variable(value, want):
     assert out.stdout.startswith(want), out.stderr
     if want == "ValueError":
         assert taps.ENV_VAR in out.stdout
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_taps_under_activation_checkpointing(on_cpu, reentrant):
+    torch.manual_seed(0)
+    plain = Net()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.reentrant = reentrant
+    want = factors_after_two_captures(plain)
+    python_calls = on_cpu.count("layer_stats")
+    taps.set_enabled(True)
+    got = factors_after_two_captures(checkpointed)
+    assert python_calls == 2 * 11 and on_cpu.count("layer_stats") == python_calls  # every layer tapped
+    for name in want:
+        torch.testing.assert_close(got[name][0], want[name][0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[name][1], want[name][1], rtol=1e-5, atol=1e-7)
