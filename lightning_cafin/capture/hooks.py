@@ -14,9 +14,10 @@ else by the rule's two partial methods.  With C++ gradient taps on (``taps.py``)
 whose statistics are that one call gets a tap registered on its output by one extension
 call in the forward instead of a Python tensor hook: the backward then runs no Python
 for it, and ``LayerCapture.pending`` takes the tap's results.  With a
-frozen weight autograd need not keep the input, and a layer computing on a cast copy
-(autocast) has autograd keep the copy instead, so then the input's statistics are read
-in the forward.
+frozen weight autograd need not keep the input, a layer computing on a cast copy
+(autocast) has autograd keep the copy instead, and under a saved-tensor hook (activation
+checkpointing, CPU offload: ``saved_tensors.py``) autograd drops or moves it, so then the
+input's statistics are read in the forward.
 
 A norm module that applies an activation itself (timm's ``GroupNormAct``; ``layers.py``,
 ``gradient_tap``) is hooked twice: a forward pre-hook on the submodule that receives the
@@ -66,7 +67,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from . import kernels as _kernels
-from . import streams, taps
+from . import saved_tensors, streams, taps
 from .layers import LayerRule, gradient_tap
 from .rules.base import FusedStats, KernelPlan
 
@@ -361,10 +362,11 @@ def _no_grad_in_backward() -> contextlib.AbstractContextManager[object]:
 
 
 def _wants_capture(capture: LayerCapture, module: nn.Module, output: Tensor) -> bool:
-    """Whether this call's statistics are to be captured (training, grad, a capture step)."""
+    """Whether this call's statistics are to be captured (training, grad, a capture step, and
+    not checkpointing's recomputation in the backward: ``saved_tensors.py``)."""
     if not module.training or not torch.is_grad_enabled() or not output.requires_grad:
         return False
-    return capture.is_capturing()
+    return capture.is_capturing() and saved_tensors.state() != saved_tensors.RECOMPUTING
 
 
 def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
@@ -392,7 +394,8 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         return
     x = x.detach()
     rule = capture.rule
-    if _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
+    if (_input_saved_for_backward(module) and not _computed_on_a_cast(x, output)
+            and saved_tensors.state() == saved_tensors.NONE):
         if tap is None and isinstance(output, Tensor) and taps.enabled() and _tapped(capture, x, output):
             return
         # The input's statistics are computed with the gradient's, in the backward pass,
@@ -419,9 +422,11 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
     else:
-        # Frozen weight: x may be modified in place before the backward, so read it now,
-        # on the current stream (on the side stream, a later in-place write on the
-        # current stream would race with the read).
+        # Frozen weight (or autograd computing on a cast copy, or a saved-tensor hook such
+        # as activation checkpointing deciding where saved tensors go): x may be modified in
+        # place before the backward, or be gone by then, so read it now, on the current
+        # stream (on the side stream, a later in-place write on the current stream would
+        # race with the read).
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
 

@@ -3,9 +3,10 @@
 model without checkpointing.
 
 Reentrant checkpointing runs the first forward without grad (no hook captures there) and
-captures in the recomputation inside the backward; non-reentrant checkpointing captures in
-the first forward, and the recomputation's hooks register on outputs whose gradients never
-arrive (their inputs are let go with the recomputed graph).
+captures in the recomputation inside the backward.  Non-reentrant checkpointing captures
+in the first forward, where autograd drops the blocks' inputs, so their statistics are read
+there instead of holding the inputs to the backward; the recomputation in the backward
+captures nothing (its outputs' gradients never arrive).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_cafin import AdaFisher
+
+from .test_fused_stats import counting_stand_in
 
 
 class Block(nn.Module):
@@ -68,3 +71,71 @@ def test_checkpointed_blocks_capture_the_factors_of_the_plain_model(reentrant):
     for name in want:
         torch.testing.assert_close(got[name][0], want[name][0], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(got[name][1], want[name][1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    return counting_stand_in(monkeypatch)
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True])
+def test_inputs_are_held_to_the_backward_only_where_autograd_keeps_them(stand_in, reentrant):
+    """One ``layer_stats`` call in the backward per layer whose input is held there; under
+    non-reentrant checkpointing the blocks' inputs are read in the forward instead (autograd
+    dropped them), and the recomputation in the backward captures nothing."""
+    torch.manual_seed(0)
+    model = Net(reentrant)
+    factors_after_two_captures(model)
+    per_step = {name: stand_in.count(name) / 2 for name in ("layer_stats", "channel_stats", "conv_input_stats")}
+    checkpointed_layers = 9 if reentrant is False else 0
+    assert per_step["layer_stats"] == 11 - checkpointed_layers
+    # read in the forward: each such layer's input, then its gradient, by one channel op each
+    assert per_step["channel_stats"] == 2 * checkpointed_layers
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak memory is measured on a CUDA device")
+@pytest.mark.parametrize("tapped", [False, True])
+def test_a_capture_step_under_checkpointing_peaks_where_a_normal_step_does(tapped):
+    """Non-reentrant checkpointing of wide blocks: a capture step's peak allocation at most
+    1.05x a normal step's (holding the blocks' inputs to the backward would bring back
+    most of the activations the checkpointing dropped)."""
+    from lightning_cafin.capture import taps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024))
+                                        for _ in range(8))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + checkpoint(block, x, use_reentrant=False)
+            return x
+
+    model = Wide().to(dev)
+    x = torch.randn(4096, 1024, device=dev, requires_grad=True)
+    opt = AdaFisher(model, lr=1e-4, TCov=1000, backend="fused")
+    previous = taps.set_enabled(tapped)
+    try:
+        def peak(capture: bool) -> int:
+            if capture:
+                opt.capture_next_step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            model(x).square().mean().backward()
+            opt.step()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated(dev) - before
+
+        for capture in (True, False, True, False):  # warm: state, factors, the allocator's pools
+            peak(capture)
+        normal, captured = peak(False), peak(True)
+    finally:
+        taps.set_enabled(previous)
+    assert captured <= 1.05 * normal, (captured / 2**20, normal / 2**20)

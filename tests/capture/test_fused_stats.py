@@ -113,6 +113,12 @@ class _Net(nn.Module):
 
 @pytest.fixture
 def stand_in(monkeypatch):
+    return counting_stand_in(monkeypatch)
+
+
+def counting_stand_in(monkeypatch) -> list[str]:
+    """The capture path sees the stand-in extension for float32 tensors; returns the list
+    of op names it is called with, in call order."""
     calls: list[str] = []
 
     def record(fn, name):
