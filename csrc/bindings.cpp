@@ -76,6 +76,12 @@ through a retained graph adds nothing.  CPU tensors take layer_stats' ATen refer
         py::arg("sink"), py::arg("x"), py::arg("output"), py::arg("input_op"), py::arg("input_div"),
         py::arg("grad_dim"), py::arg("grad_square"), py::arg("grad_div"), py::arg("hn"), py::arg("sn"),
         py::arg("side") = false);
+  m.def("tap_gradient", &lightning_cafin::tap_gradient,
+        R"doc(As tap_layer where the input's statistics (h, hn) were read in the forward: the hook
+computes s = channel_stats(grad, grad_dim, grad_square, grad_div, side) (the ATen reference
+for a CPU gradient) and adds (h, hn, s, sn) to ``sink``, once per graph.)doc",
+        py::arg("sink"), py::arg("output"), py::arg("h"), py::arg("hn"), py::arg("grad_dim"), py::arg("grad_square"),
+        py::arg("grad_div"), py::arg("sn"), py::arg("side") = false);
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

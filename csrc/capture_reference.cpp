@@ -1,4 +1,4 @@
-// layer_stats on CPU tensors, with ATen ops: the contract of capture_ops.h restated for the
+// layer_stats and channel_stats on CPU tensors, with ATen ops: the contract of capture_ops.h restated for the
 // host, so that what calls layer_stats from C++ (the gradient taps, capture_tap.h) runs and
 // is tested on a machine without a GPU.  The CUDA kernels are tested against the float64
 // torch rules on the GPU; this is tested against the same rules on the CPU.  Not a fast
@@ -63,6 +63,13 @@ at::Tensor window_sums(const at::Tensor& x_in, const std::vector<int64_t>& o) {
 }
 
 }  // namespace
+
+at::Tensor channel_stats_reference(const at::Tensor& t, int64_t dim, bool square, double divisor) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && at::isFloatingType(t.scalar_type()), kRef,
+              "t must be a floating-point CPU tensor");
+  const c10::NoGradGuard no_grad;
+  return channel_sums(t, dim, square, divisor);
+}
 
 std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
                                                          const std::vector<int64_t>& input_op, double input_div,

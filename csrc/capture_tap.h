@@ -40,7 +40,13 @@ class TapSink {
   std::vector<Result> results_;
 };
 
-// Register on `output` (which must require grad) the tap described above.
+// Register on `output` (which must require grad) the tap described above.  Where the
+// input's statistics were read in the forward (h, hn: a frozen weight, a layer computing on
+// an autocast copy, activation checkpointing), tap_gradient's hook computes only the
+// gradient's, channel_stats(grad, grad_dim, grad_square, grad_div, side), and adds
+// (h, hn, s, sn).
+void tap_gradient(const std::shared_ptr<TapSink>& sink, const at::Tensor& output, const at::Tensor& h, double hn,
+                  int64_t grad_dim, bool grad_square, double grad_div, double sn, bool side);
 void tap_layer(const std::shared_ptr<TapSink>& sink, const at::Tensor& x, const at::Tensor& output,
                std::vector<int64_t> input_op, double input_div, int64_t grad_dim, bool grad_square, double grad_div,
                double hn, double sn, bool side);

@@ -12,8 +12,9 @@ where the rule describes both sums as one (``FusedStats``: the kernels, the side
 ordering when ``streams.py``'s side stream is on, and the results in one allocation),
 else by the rule's two partial methods.  With C++ gradient taps on (``taps.py``), a layer
 whose statistics are that one call gets a tap registered on its output by one extension
-call in the forward instead of a Python tensor hook: the backward then runs no Python
-for it, and ``LayerCapture.pending`` takes the tap's results.  With a
+call in the forward instead of a Python tensor hook (one computing only the gradient's
+sums where the input's were read in the forward, below): the backward then runs no
+Python for it, and ``LayerCapture.pending`` takes the tap's results.  With a
 frozen weight autograd need not keep the input, a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, and under a saved-tensor hook (activation
 checkpointing, CPU offload: ``saved_tensors.py``) autograd drops or moves it, so then the
@@ -429,8 +430,14 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # race with the read).
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
+        if tap is None and isinstance(output, Tensor) and taps.enabled() and _tapped_gradient(capture, x, output, h, hn):
+            return
+        read = [h]  # one pair per forward, as above: a second backward adds nothing
 
         def on_output_grad(grad: Tensor) -> None:
+            if not read:
+                return
+            h = read.pop()
             with _no_grad_in_backward(), streams.beside(grad, h):
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
@@ -452,6 +459,19 @@ def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
     if fused is None:
         return False
     fused.tap(ext, capture.tap_sink(ext), x, output, streams.side())
+    return True
+
+
+def _tapped_gradient(capture: LayerCapture, x: Tensor, output: Tensor, h: Tensor, hn: float) -> bool:
+    """As :func:`_tapped` where the input's statistics ``h``, ``hn`` were read in the forward:
+    the tap computes only the gradient's."""
+    ext = _kernels.ext_for(output)
+    if ext is None or not taps.available(ext):
+        return False
+    fused = capture.fused_stats(x, output)
+    if fused is None:
+        return False
+    fused.tap_gradient(ext, capture.tap_sink(ext), output, h, hn, streams.side())
     return True
 
 

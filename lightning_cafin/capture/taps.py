@@ -11,9 +11,11 @@ backward pass that hook runs ``layer_stats`` and stores its results in the layer
 (``LayerCapture.pending``).  The statistics are the same kernels' (the same one call per
 layer the Python hook makes); only where the host spends its time changes.
 
-Taken only where the Python hook would make that one call (a layer whose rule has a
-``FusedStats`` for the shapes, tensors the kernels take, the input kept for the backward);
-everything else keeps the Python hook.
+Taken only where the rule describes the statistics as that one call (a ``FusedStats`` for
+the shapes) on tensors the kernels take; where the input's statistics are read in the
+forward (a frozen weight, a layer computing on an autocast copy, activation
+checkpointing), the tap (``tap_gradient``) computes only the gradient's.  Everything else
+keeps the Python hook.
 
 Off by default until its host-time saving is measured on the GPU (the bench times a
 capture step with taps beside one without): :func:`set_enabled`, or
@@ -50,4 +52,4 @@ def enabled() -> bool:
 
 def available(ext: ModuleType) -> bool:
     """Whether the loaded extension has the taps (a build from before them has not)."""
-    return hasattr(ext, "tap_layer")
+    return hasattr(ext, "tap_gradient")

@@ -67,6 +67,7 @@ def on_cpu(ext, monkeypatch, tap_setting):
         return ext.layer_stats(*args)
 
     stand_in = types.SimpleNamespace(layer_stats=layer_stats, tap_layer=ext.tap_layer, TapSink=ext.TapSink,
+                                     tap_gradient=ext.tap_gradient,
                                      channel_stats=fake_channel_stats, conv_input_stats=fake_conv_input_stats,
                                      factor_update_=fake_factor_update_)
     monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None)
@@ -154,6 +155,70 @@ def test_pending_holds_what_the_taps_took_and_a_retained_graph_adds_nothing(on_c
     pending = [c.pending for c in caps]  # reading takes the results from the sink
     assert [p.calls for p in pending] == [1, 1] and [len(c.sink) for c in caps] == [0, 0]
     assert pending[0].hn == 5 and pending[0].sn == 5 and pending[0].h.shape == (6,) and pending[0].s.shape == (4,)
+
+
+class _ReadInTheForward(nn.Module):
+    """Layers whose input statistics are read in the forward: a frozen weight (its bias
+    trains), and a Linear computing on a cast copy (a float64 input, cast by the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(6, 5)
+        self.frozen.weight.requires_grad_(False)
+        self.cast = _CastLinear(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.cast(torch.relu(self.frozen(x)).double())))
+
+
+class _CastLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x.float())
+
+
+def _train_read_in_forward(model, taps_on, retain=False):
+    taps.set_enabled(taps_on)
+    torch.manual_seed(1)
+    opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(torch.randn(7, 6)), torch.randint(0, 3, (7,)))
+        loss.backward(retain_graph=retain)
+        if retain:  # a second backward through the retained graph adds no pair
+            loss.backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_gradient_taps_where_the_input_is_read_in_the_forward(on_cpu, retain):
+    torch.manual_seed(0)
+    model = _ReadInTheForward()
+    hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train_read_in_forward(hooked, False, retain)
+    got = _train_read_in_forward(tapped, True, retain)
+    assert all(c.sink is not None for c in got.binding.captures.values())  # frozen and cast layers too
+    assert all(c.sink is None for c in ref.binding.captures.values())
+    for name, cap in got.binding.captures.items():
+        want = ref.binding.captures[name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+    for p, q in zip(tapped.parameters(), hooked.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_second_backward_adds_no_pair_on_either_path(on_cpu):
+    counts = {}
+    for taps_on in (False, True):
+        taps.set_enabled(taps_on)
+        torch.manual_seed(0)
+        model = _ReadInTheForward()
+        opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+        loss = model(torch.randn(4, 6)).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        counts[taps_on] = [c.pending.calls for c in opt.binding.captures.values()]
+    assert counts[False] == counts[True] == [1, 1, 1]
 
 
 def test_a_failing_tap_raises_from_the_backward_call(ext):

@@ -122,6 +122,11 @@ class FusedStats:
         ext.tap_layer(sink, x, output, self.input_op, self.input_div, self.grad_dim, self.grad_square,
                       self.grad_div, self.hn, self.sn, side)
 
+    def tap_gradient(self, ext: ModuleType, sink: Any, output: Tensor, h: Tensor, hn: float, side: bool) -> None:
+        """As :meth:`tap` with the input's statistics ``h``, ``hn`` read already: the tap computes
+        the gradient's sums (this description's gradient side) and adds ``(h, hn, s, sn)``."""
+        ext.tap_gradient(sink, output, h, hn, self.grad_dim, self.grad_square, self.grad_div, self.sn, side)
+
 
 def channel_op(dim: int, square: bool) -> tuple[int, int, int]:
     """``FusedStats.input_op`` of a per-channel sum (of squares) over every dim but ``dim``."""
