@@ -139,3 +139,19 @@ def test_a_capture_step_under_checkpointing_peaks_where_a_normal_step_does(tappe
     finally:
         taps.set_enabled(previous)
     assert captured <= 1.05 * normal, (captured / 2**20, normal / 2**20)
+
+
+def test_offloaded_activations_are_read_in_the_forward_too(stand_in):
+    """``save_on_cpu`` (activation offloading) keeps the saved inputs off the device: the capture
+    reads every layer's input in the forward, with the factors of the plain run."""
+    torch.manual_seed(0)
+    plain = Net()
+    offloaded = copy.deepcopy(plain)
+    want = factors_after_two_captures(plain)
+    assert stand_in.count("layer_stats") == 2 * 11
+    with torch.autograd.graph.save_on_cpu():
+        got = factors_after_two_captures(offloaded)
+    assert stand_in.count("layer_stats") == 2 * 11  # none more: no input held to the backward
+    for name in want:
+        torch.testing.assert_close(got[name][0], want[name][0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[name][1], want[name][1], rtol=1e-5, atol=1e-7)
