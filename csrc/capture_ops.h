@@ -32,7 +32,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
 
 // layer_stats' and channel_stats' contracts on CPU tensors (float32/float64/float16/bfloat16),
 // with ATen ops (capture_reference.cpp; side does not apply).  layer_stats sends CPU tensors
-// to the first; the gradient taps (capture_tap.h) call the second for CPU gradients.
+// to layer_stats_reference; the gradient-only taps (capture_tap.h) call
+// channel_stats_reference for CPU gradients.
 at::Tensor channel_stats_reference(const at::Tensor& t, int64_t dim, bool square, double divisor);
 std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
                                                          const std::vector<int64_t>& input_op, double input_div,

@@ -9,6 +9,7 @@ namespace lightning_cafin {
 namespace {
 
 const char* kTap = "tap_layer: ";
+const char* kGradTap = "tap_gradient: ";
 
 struct Tap {
   std::shared_ptr<TapSink> sink;
@@ -27,10 +28,10 @@ struct GradientTap {
   bool grad_square, side, fired = false;
 };
 
-void check_tap_args(const std::shared_ptr<TapSink>& sink, const at::Tensor& output) {
-  TORCH_CHECK(sink != nullptr, kTap, "sink must be a TapSink, got None");
-  TORCH_CHECK(output.defined(), kTap, "output must be a tensor");
-  TORCH_CHECK(output.requires_grad(), kTap, "output must require grad (nothing would call the tap)");
+void check_tap_args(const std::shared_ptr<TapSink>& sink, const at::Tensor& output, const char* op) {
+  TORCH_CHECK(sink != nullptr, op, "sink must be a TapSink, got None");
+  TORCH_CHECK(output.defined(), op, "output must be a tensor");
+  TORCH_CHECK(output.requires_grad(), op, "output must require grad (nothing would call the tap)");
 }
 
 }  // namespace
@@ -55,7 +56,7 @@ int64_t TapSink::size() const {
 void tap_layer(const std::shared_ptr<TapSink>& sink, const at::Tensor& x, const at::Tensor& output,
                std::vector<int64_t> input_op, double input_div, int64_t grad_dim, bool grad_square, double grad_div,
                double hn, double sn, bool side) {
-  check_tap_args(sink, output);
+  check_tap_args(sink, output, kTap);
   TORCH_CHECK(x.defined(), kTap, "x must be a tensor");
   auto tap = std::make_shared<Tap>(Tap{sink, x, std::move(input_op), input_div, grad_div, hn, sn, grad_dim,
                                        grad_square, side});
@@ -73,8 +74,8 @@ void tap_layer(const std::shared_ptr<TapSink>& sink, const at::Tensor& x, const 
 
 void tap_gradient(const std::shared_ptr<TapSink>& sink, const at::Tensor& output, const at::Tensor& h, double hn,
                   int64_t grad_dim, bool grad_square, double grad_div, double sn, bool side) {
-  check_tap_args(sink, output);
-  TORCH_CHECK(h.defined(), kTap, "h must be a tensor");
+  check_tap_args(sink, output, kGradTap);
+  TORCH_CHECK(h.defined(), kGradTap, "h must be a tensor");
   auto tap = std::make_shared<GradientTap>(GradientTap{sink, h, hn, grad_div, sn, grad_dim, grad_square, side});
   output.register_hook([tap](const at::TensorBase& grad_base) {
     if (tap->fired || !grad_base.defined()) return;  // a second backward through a retained graph

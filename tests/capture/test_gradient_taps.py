@@ -232,10 +232,12 @@ def test_a_failing_tap_raises_from_the_backward_call(ext):
     assert len(sink) == 0
 
 
-def test_tap_layer_refuses_an_output_without_grad(ext):
+def test_the_taps_refuse_an_output_without_grad(ext):
     x = torch.randn(3, 4)
-    with pytest.raises(RuntimeError, match="output must require grad"):
+    with pytest.raises(RuntimeError, match="tap_layer: output must require grad"):
         ext.tap_layer(ext.TapSink(), x, x * 2, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
+    with pytest.raises(RuntimeError, match="tap_gradient: output must require grad"):
+        ext.tap_gradient(ext.TapSink(), x * 2, torch.ones(4), 3.0, 1, True, 0.0, 3.0)
 
 
 @pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("", "False"), ("sometimes", "ValueError")])
