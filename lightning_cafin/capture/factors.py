@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import kernels as _kernels
-from .hooks import LayerCapture, PendingStats
+from .hooks import LayerCapture, PendingStats, factor_tensors_replaced
 from .rules.base import KernelPlan
 
 NORM_EPS = 1e-6
@@ -137,52 +137,74 @@ class CaptureReport:
         return [n for n in self._order if (n in nan) == want_nan]
 
 
-class _KernelBatch:
-    """The layers one factor-update launch finalises and folds on one device, gathered
-    straight into the launch's argument lists (see ``KernelPlan``): a capture step adds
-    every layer once, so no per-layer object is built."""
+class KernelSlot:
+    """What the factor-update kernel takes of one layer besides its sums: its stored factors
+    and the plan's numbers (``KernelPlan``), for the sums' size and counts in ``key``.
 
-    __slots__ = ("caps", "h", "s", "H", "S", "kinds", "flags", "h_div", "s_div", "s_scale", "extra", "fresh")
+    A layer keeps its slot (``LayerCapture.kernel_slot``) while the key stays: no factor
+    tensor anywhere was replaced (:func:`factor_tensors_replaced`, so ``H`` and ``S`` are
+    the same tensors, in the same dtype and place), the same sums' sizes and counts, loss
+    scale and bias.  A capture step then takes each layer's slot as it is, instead of
+    checking the factors and building the plan's numbers again (host time per layer, on
+    the step the host is the bottleneck of).
+    """
+
+    __slots__ = ("key", "device", "H", "S", "kind", "flags", "h_div", "s_div", "s_scale", "extra")
+
+    def __init__(self, key: tuple, device: torch.device, H: Tensor, S: Tensor, kind: int, flags: int, h_div: float,
+                 s_div: float, s_scale: float, extra: float) -> None:
+        self.key, self.device, self.H, self.S = key, device, H, S
+        self.kind, self.flags, self.h_div, self.s_div, self.s_scale, self.extra = kind, flags, h_div, s_div, s_scale, extra
+
+
+class _KernelBatch:
+    """The layers one factor-update launch finalises and folds on one device: their sums and
+    slots, turned into the launch's argument lists at launch."""
+
+    __slots__ = ("caps", "h", "s", "slots", "fresh")
 
     def __init__(self) -> None:
         self.caps: list[LayerCapture] = []
         self.h: list[Tensor] = []
         self.s: list[Tensor] = []
-        self.H: list[Tensor] = []  # the stored factors, or fresh buffers where ``fresh``
-        self.S: list[Tensor] = []
-        self.kinds: list[int] = []
-        self.flags: list[int] = []  # 1: append the extra column, 2: initialise the factors, 4: divide out the loss scale
-        self.h_div: list[float] = []
-        self.s_div: list[float] = []
-        self.s_scale: list[float] = []
-        self.extra: list[float] = []
+        self.slots: list[KernelSlot] = []
         self.fresh: list[int] = []  # indices of layers whose factors this launch creates
 
-    def add(self, cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
-            grad_scale: Optional[float]) -> None:
-        nH, ns = plan.h_size(h), s.numel()
-        H, S = cap.H, cap.S
-        init = H is None or S is None or H.shape != (nH,) or S.shape != (ns,) or H.dtype != torch.float32
-        flags = (1 if plan.append else 0) | (2 if init else 0)
-        scale = 1.0
-        if grad_scale is not None and grad_scale != 1.0:
-            flags |= 4
-            scale = grad_scale**cap.rule.s_scale_power
-        if H is None or S is None or init:
+    def add(self, cap: LayerCapture, h: Tensor, s: Tensor, slot: KernelSlot) -> None:
+        if slot.flags & _INIT:
             self.fresh.append(len(self.caps))
-            H = torch.empty(nH, device=h.device, dtype=torch.float32)
-            S = torch.empty(ns, device=h.device, dtype=torch.float32)
         self.caps.append(cap)
         self.h.append(h if h.is_contiguous() else h.contiguous())
         self.s.append(s if s.is_contiguous() else s.contiguous())
-        self.H.append(H)
-        self.S.append(S)
-        self.kinds.append(plan.kind)
-        self.flags.append(flags)
-        self.h_div.append(float(plan.h_div))
-        self.s_div.append(float(pending.sn))
-        self.s_scale.append(float(scale))
-        self.extra.append(float(plan.extra))
+        self.slots.append(slot)
+
+
+_APPEND, _INIT, _UNSCALE = 1, 2, 4  # the kernel's flags: append the extra column, new factors, divide out the loss scale
+
+
+def _slot_key(stamp: int, cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats,
+              grad_scale: Optional[float]) -> tuple:
+    """What a ``KernelSlot`` is valid for (``stamp``: :func:`factor_tensors_replaced`)."""
+    return (stamp, h.numel(), s.numel(), pending.hn, pending.sn, grad_scale, cap.module._parameters.get("bias") is not None)
+
+
+def _new_slot(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
+              grad_scale: Optional[float], key: tuple) -> KernelSlot:
+    """The slot of a layer the kernel takes (``_kernel_ready``); fresh factor buffers (flag
+    ``_INIT``) where the layer has none of these sizes yet."""
+    nH, ns = plan.h_size(h), s.numel()
+    H, S = cap.H, cap.S
+    init = H is None or S is None or H.shape != (nH,) or S.shape != (ns,) or H.dtype != torch.float32
+    flags = (_APPEND if plan.append else 0) | (_INIT if init else 0)
+    scale = 1.0
+    if grad_scale is not None and grad_scale != 1.0:
+        flags |= _UNSCALE
+        scale = grad_scale**cap.rule.s_scale_power
+    if H is None or S is None or init:
+        H = torch.empty(nH, device=h.device, dtype=torch.float32)
+        S = torch.empty(ns, device=h.device, dtype=torch.float32)
+    return KernelSlot(key, h.device, H, S, plan.kind, flags, float(plan.h_div), float(pending.sn), float(scale),
+                      float(plan.extra))
 
 
 def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats) -> bool:
@@ -207,8 +229,7 @@ def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats
 
 def _kernel_plan(cap: LayerCapture, h: Tensor, hn: float) -> Optional[KernelPlan]:
     """The rule's plan for these sums, kept per layer while the sums' size and count and
-    whether the module has a bias stay (a capture step asks once per layer; the built-in
-    plans depend on nothing else)."""
+    whether the module has a bias stay (the built-in plans depend on nothing else)."""
     key = (h.numel(), hn, cap.module._parameters.get("bias") is not None)
     cached = cap.kernel_plan
     if cached is not None and cached[0] == key:
@@ -216,6 +237,15 @@ def _kernel_plan(cap: LayerCapture, h: Tensor, hn: float) -> Optional[KernelPlan
     plan = cap.rule.kernel_plan(cap.module, h, hn)
     cap.kernel_plan = (key, plan)
     return plan
+
+
+def _kept_slot(cap: LayerCapture, h: Tensor, s: Tensor, key: tuple) -> Optional[KernelSlot]:
+    """The layer's slot when it still fits these sums (see ``KernelSlot``), else None."""
+    slot = cap.kernel_slot
+    if (slot is None or slot.key != key or h.dtype != torch.float32 or s.dtype != torch.float32 or h.dim() != 1
+            or s.dim() != 1 or h.device != slot.device or s.device != slot.device):
+        return None
+    return slot
 
 
 def update_factors(
@@ -230,20 +260,32 @@ def update_factors(
     """
     report = CaptureReport()
     batches: dict[torch.device, _KernelBatch] = {}
+    kernels_on: dict[torch.device, bool] = {}  # whether the kernels take float32 sums there (ext_for)
+    stamp = factor_tensors_replaced()  # (a factor created below changes it only for the next capture)
     for cap in captures:
         pending = cap.take_pending()
         if pending.calls == 0:
             report.not_fired.append(cap.name)
             continue
         h, s = pending.sums()
-        plan = _kernel_plan(cap, h, pending.hn) if _kernel_ready(cap, h, s, pending) else None
-        if plan is not None and _kernels.ext_for(h) is not None:
-            batch = batches.get(h.device)
-            if batch is None:
-                batch = batches[h.device] = _KernelBatch()
-            batch.add(cap, h, s, pending, plan, grad_scale)
-            report.record(cap.name, None)
-            continue
+        key = _slot_key(stamp, cap, h, s, pending, grad_scale)
+        slot = _kept_slot(cap, h, s, key)
+        if slot is not None or _kernel_ready(cap, h, s, pending):
+            on = kernels_on.get(h.device)
+            if on is None:
+                on = kernels_on[h.device] = _kernels.ext_for(h) is not None
+            if on and slot is None:
+                plan = _kernel_plan(cap, h, pending.hn)
+                if plan is not None:
+                    slot = _new_slot(cap, h, s, pending, plan, grad_scale, key)
+                    cap.kernel_slot = None if slot.flags & _INIT else slot  # new factors change the key
+            if on and slot is not None:
+                batch = batches.get(h.device)
+                if batch is None:
+                    batch = batches[h.device] = _KernelBatch()
+                batch.add(cap, h, s, slot)
+                report.record(cap.name, None)
+                continue
         if grad_scale is not None and grad_scale != 1.0:
             s = s / grad_scale**cap.rule.s_scale_power
         H_raw, S_raw = cap.rule.finalize(cap.module, h, pending.hn, s, pending.sn)
@@ -272,9 +314,11 @@ def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: Cap
     if ext is None:  # the batches were made only where ext_for gave the extension
         raise RuntimeError("capture kernels became unavailable between planning and launch")
     for device, b in batches.items():
+        sl = b.slots
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = ext.factor_update_(b.h, b.s, b.H, b.S, b.kinds, b.flags, b.h_div, b.s_div, b.s_scale, b.extra,
-                                       0.1 * gamma, 0.01 * gamma)
+            flags = ext.factor_update_(b.h, b.s, [x.H for x in sl], [x.S for x in sl], [x.kind for x in sl],
+                                       [x.flags for x in sl], [x.h_div for x in sl], [x.s_div for x in sl],
+                                       [x.s_scale for x in sl], [x.extra for x in sl], 0.1 * gamma, 0.01 * gamma)
             names = [cap.name for cap in b.caps]
             device_flags = _DeviceFlags(names, flags)
         if report._device is None:
@@ -289,4 +333,4 @@ def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: Cap
             nan = device_flags.values()
             for i in b.fresh:
                 if not nan[i]:
-                    b.caps[i].H, b.caps[i].S = b.H[i], b.S[i]
+                    b.caps[i].H, b.caps[i].S = sl[i].H, sl[i].S

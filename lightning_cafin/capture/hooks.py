@@ -123,7 +123,8 @@ class PendingStats:
 
     def sums(self) -> tuple[Tensor, Tensor]:
         """``(h, s)`` of a pending that holds at least one call (``calls > 0``)."""
-        h, s = self.h, self.s
+        self._fold()
+        h, s = self._h, self._s
         if h is None or s is None:
             raise RuntimeError("PendingStats.sums(): no forward/backward pair was added")
         return h, s
@@ -176,6 +177,8 @@ class LayerCapture:
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
     #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
     kernel_plan: Optional[tuple[tuple[int, float, bool], Optional[KernelPlan]]] = field(default=None, repr=False)
+    #: the factor-update kernel's kept arguments for this layer (``factors.KernelSlot``)
+    kernel_slot: Any = field(default=None, repr=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("S", "H") and value is not getattr(self, name, None):
@@ -228,6 +231,11 @@ class LayerCapture:
             self.refused += 1
 
     def take_pending(self) -> PendingStats:
+        """The statistics gathered since the last optimizer step; the layer starts empty again."""
+        pending, sink = self._pending, self.sink
+        if pending.calls == 0 and sink is not None and len(sink) == 1:  # one tap fired: the usual capture step
+            h, hn, s, sn = sink.take()[0]
+            return PendingStats(h, hn, s, sn, calls=1)  # (self._pending stays the empty one)
         pending, self._pending = self.pending, PendingStats()
         return pending
 

@@ -198,3 +198,34 @@ def test_layers_the_kernel_cannot_take_use_the_torch_loop(fake_ext):
     assert rep.not_fired == ["m4"]
     assert list(rep.updated) == ["m0", "m1", "m2", "m3", "m5"]
     assert caps[2].H.dtype == torch.float64
+
+
+def test_kept_kernel_slots_follow_the_loss_scale_the_counts_and_replaced_factors(fake_ext):
+    """Five captures through the batched update, each against the torch loop: a layer keeps its
+    kernel slot while nothing it depends on changes, and takes a new one when the loss
+    scale, the counts or any factor tensor does."""
+    caps = captures()
+    ref = clone_caps(caps)
+
+    def capture(seed, grad_scale=None, sn_factor=1.0):
+        for c, r, f in zip(caps, ref, captures(seed=seed)):
+            p = f.pending
+            c.pending = PendingStats(p.h, p.hn, p.s, p.sn * sn_factor, 1)
+            r.pending = PendingStats(p.h.clone(), p.hn, p.s.clone(), p.sn * sn_factor, 1)
+        update_factors(caps, 0.8, grad_scale)
+        torch_loop(ref, 0.8, grad_scale)
+        same(caps, ref)
+        return [c.kernel_slot for c in caps]
+
+    update_factors(caps, 0.8)  # creates the factors
+    torch_loop(ref, 0.8)
+    first = capture(1)
+    assert all(slot is not None for slot in first)
+    assert capture(2) == first  # nothing changed: the same slots (compared by identity)
+    scaled = capture(3, grad_scale=512.0)
+    assert all(a is not b for a, b in zip(scaled, first)) and all(s.flags & 4 for s in scaled)
+    counted = capture(4, grad_scale=512.0, sn_factor=2.0)  # another count (e.g. micro-batches)
+    assert all(a is not b for a, b in zip(counted, scaled))
+    caps[2].H = caps[2].H.clone()  # a factor replaced anywhere: every slot is made again
+    replaced = capture(5, grad_scale=512.0, sn_factor=2.0)
+    assert all(a is not b for a, b in zip(replaced, counted)) and replaced[2].H is caps[2].H
