@@ -49,7 +49,6 @@ from . import kernels as _kernels
 ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_STREAM"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
-_enabled: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
 _local = threading.local()
 _NULL = contextlib.nullcontext()
 
@@ -64,19 +63,39 @@ def parse_flag(value: str, what: str) -> bool:
     raise ValueError(f"{what} must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
 
 
+class EnvSwitch:
+    """A process-wide on/off setting: the last value set, else its environment variable
+    (read when first needed, not at import; a bad value is an error naming it), else off."""
+
+    __slots__ = ("env_var", "_value")
+
+    def __init__(self, env_var: str) -> None:
+        self.env_var = env_var
+        self._value: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
+
+    def get(self) -> bool:
+        if self._value is None:
+            raw = os.environ.get(self.env_var, "0").strip() or "0"
+            self._value = parse_flag(raw, f"the environment variable {self.env_var}")
+        return self._value
+
+    def set(self, on: bool) -> bool:
+        """Set it; returns the previous setting."""
+        previous, self._value = self.get(), bool(on)
+        return previous
+
+
+_switch = EnvSwitch(ENV_VAR)
+
+
 def set_enabled(on: bool) -> bool:
     """Use (True) or bypass (False) the side stream; returns the previous setting."""
-    global _enabled
-    previous, _enabled = enabled(), bool(on)
-    return previous
+    return _switch.set(on)
 
 
 def enabled() -> bool:
     """The setting in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_STREAM``, else off."""
-    global _enabled
-    if _enabled is None:
-        _enabled = parse_flag(os.environ.get(ENV_VAR, "0").strip() or "0", f"the environment variable {ENV_VAR}")
-    return _enabled
+    return _switch.get()
 
 
 def side() -> bool:

@@ -24,30 +24,23 @@ capture step with taps beside one without): :func:`set_enabled`, or
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
-from typing import Optional
 
-from .streams import parse_flag
+from .streams import EnvSwitch
 
 ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_TAP"
 
-_enabled: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
+_switch = EnvSwitch(ENV_VAR)
 
 
 def set_enabled(on: bool) -> bool:
     """Take statistics with C++ taps (True) or Python hooks (False); returns the previous setting."""
-    global _enabled
-    previous, _enabled = enabled(), bool(on)
-    return previous
+    return _switch.set(on)
 
 
 def enabled() -> bool:
     """The setting in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_TAP``, else off."""
-    global _enabled
-    if _enabled is None:
-        _enabled = parse_flag(os.environ.get(ENV_VAR, "0").strip() or "0", f"the environment variable {ENV_VAR}")
-    return _enabled
+    return _switch.get()
 
 
 def available(ext: ModuleType) -> bool:
