@@ -456,16 +456,26 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         output.register_hook(on_output_grad)
 
 
-def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
-    """Register the layer's C++ gradient tap (``taps.py``) where the Python hook would make
-    one extension call in the backward; False (nothing registered) elsewhere.  The gradient
-    has the output's shape, dtype and device, so both decide as the gradient would."""
-    ext = _kernels.ext_for(x, output)
+def _tap_target(capture: LayerCapture, x: Tensor, output: Tensor,
+                read: tuple[Tensor, ...]) -> Optional[tuple[ModuleType, FusedStats]]:
+    """The extension and the layer's one-call description where a C++ gradient tap
+    (``taps.py``) can take this pair: the kernels take the tensors ``read`` and the rule
+    describes the pair as one call.  The gradient has the output's shape, dtype and device,
+    so the output decides as the gradient would."""
+    ext = _kernels.ext_for(*read)
     if ext is None or not taps.available(ext):
-        return False
+        return None
     fused = capture.fused_stats(x, output)
-    if fused is None:
+    return None if fused is None else (ext, fused)
+
+
+def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
+    """Register the layer's C++ gradient tap where the Python hook would make one extension
+    call in the backward; False (nothing registered) elsewhere."""
+    target = _tap_target(capture, x, output, (x, output))
+    if target is None:
         return False
+    ext, fused = target
     fused.tap(ext, capture.tap_sink(ext), x, output, streams.side())
     return True
 
@@ -473,12 +483,10 @@ def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
 def _tapped_gradient(capture: LayerCapture, x: Tensor, output: Tensor, h: Tensor, hn: float) -> bool:
     """As :func:`_tapped` where the input's statistics ``h``, ``hn`` were read in the forward:
     the tap computes only the gradient's."""
-    ext = _kernels.ext_for(output)
-    if ext is None or not taps.available(ext):
+    target = _tap_target(capture, x, output, (output,))
+    if target is None:
         return False
-    fused = capture.fused_stats(x, output)
-    if fused is None:
-        return False
+    ext, fused = target
     fused.tap_gradient(ext, capture.tap_sink(ext), output, h, hn, streams.side())
     return True
 
