@@ -56,12 +56,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert wl["optimizer"] == ("AdaFisherW" if name == "gpt" else "AdaFisher")
         assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
-                "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_taps_ms",
-                "taps_above_normal_ms", "taps_vs_python_hooks_ratio"} <= set(wl["sync"])
+                "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_uses_taps",
+                "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio"} <= set(wl["sync"])
+        assert wl["sync"]["capture_uses_taps"] is True  # the default: what users run
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
-        assert set(host["taps_extra_us_per_layer"]) == {"forward", "backward", "step"}
-        for kind in ("normal", "capture", "capture_taps"):  # host milliseconds per phase, every one measured
+        assert set(host["python_hooks_extra_us_per_layer"]) == {"forward", "backward", "step"}
+        for kind in ("normal", "capture", "capture_python_hooks"):  # host milliseconds per phase, every one measured
             assert all(host[kind][p]["median"] > 0 and host[kind][p]["n"] >= 1 for p in ("forward", "backward", "step"))
         assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
@@ -99,7 +100,7 @@ def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=
     return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0}},
             "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
                      "capture_vs_normal_ratio": med(capture_ratio), "side_vs_current_stream_ratio": med(1.03),
-                     "taps_vs_python_hooks_ratio": med(0.9)},
+                     "python_hooks_vs_capture_ratio": med(1.1)},
             "memory": {"capture_vs_normal_ratio": peak}, "optimizer_step": {"vs_adam_ratio": med(step)},
             "state": {"vs_adam_ratio": 1.1}}
 
@@ -110,7 +111,7 @@ def test_goals_are_judged_against_the_issue_limits():
     good = verdict("resnet18")
     assert good["pipelined TCov=1 vs Adam"] is None and good["optimizer state vs Adam"] is None
     assert good["sync capture step, statistics on a side stream vs the current stream"] is None  # a figure, no goal
-    assert good["sync capture step, C++ gradient taps vs Python hooks"] is None
+    assert good["sync capture step, Python hooks vs C++ gradient taps (the default)"] is None
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=10 vs Adam"] is True
@@ -177,20 +178,20 @@ def test_the_side_stream_capture_step_restores_the_options_and_the_stream_settin
         streams.set_enabled(before)
 
 
-def test_the_capture_step_with_taps_turns_them_on_for_that_step_only():
-    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_with_taps
+def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_only():
+    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_with_python_hooks
     from lightning_cafin.capture import taps
 
     dev = torch.device("cpu")
     wl = workloads(dev, quick=True)["resnet18"]
     t = adafisher(wl, dev, wl.batch(dev), NEVER)
     t.steps(2)
-    before = taps.set_enabled(False)
+    before = taps.set_enabled(True)
     try:
         seen = []
         t.opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append((opt.capture_due, taps.enabled())))
-        capture_step_with_taps(t)
+        capture_step_with_python_hooks(t)
         t.step()
-        assert seen == [(True, True), (False, False)]  # the capture step had taps on; the setting came back
+        assert seen == [(True, False), (False, True)]  # the capture step had taps off; the setting came back
     finally:
         taps.set_enabled(before)

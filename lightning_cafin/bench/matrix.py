@@ -13,8 +13,8 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
   step, interleaved; medians and p10/p90 of the paired ratios and differences.  The
   capture step is also timed with its statistics on a side stream (``capture_stream=True``)
-  beside the default current stream, so that the default is checked against a figure
-  measured side by side.
+  beside the default current stream, and with Python tensor hooks beside the default C++
+  gradient taps, so that each default is checked against a figure measured side by side.
 * ``memory``: each optimizer alone on its own model: the allocator's peak during one
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident
@@ -201,27 +201,23 @@ def capture_step_on_side_stream(t: Trainer) -> None:
         capture_streams.set_enabled(previous)
 
 
-def capture_step_with_taps(t: Trainer) -> None:
-    """A capture step with the statistics taken by C++ gradient taps (``capture/taps.py``,
-    the alternative to the Python hooks); the process-wide setting is restored after it."""
-    previous = capture_taps.set_enabled(True)
-    try:
+def capture_step_with_python_hooks(t: Trainer) -> None:
+    """A capture step with the statistics taken by Python tensor hooks (the alternative to
+    the default C++ gradient taps, ``capture/taps.py``); the process-wide setting is
+    restored after it."""
+    with capture_taps.using(False):
         t.capture_step()
-    finally:
-        capture_taps.set_enabled(previous)
 
 
-def _host_phases_with_taps(t: Trainer) -> tuple[float, float, float]:
-    previous = capture_taps.set_enabled(True)
-    try:
+def _host_phases_with_python_hooks(t: Trainer) -> tuple[float, float, float]:
+    with capture_taps.using(False):
         return t.host_phases(True)
-    finally:
-        capture_taps.set_enabled(previous)
 
 
 PHASES = ("forward", "backward", "step")
-#: the step kinds whose host phases are timed: a normal step, a capture step, and one with taps
-HOST_KINDS = ("normal", "capture", "capture_taps")
+#: the step kinds whose host phases are timed: a normal step, a capture step (the default
+#: setting), and one with Python hooks instead of C++ taps
+HOST_KINDS = ("normal", "capture", "capture_python_hooks")
 
 
 def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
@@ -230,7 +226,7 @@ def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
     cost where the host, not the device, is the bottleneck."""
     timed: dict[str, Callable[[], tuple[float, float, float]]] = {
         "normal": functools.partial(t.host_phases, False), "capture": functools.partial(t.host_phases, True),
-        "capture_taps": functools.partial(_host_phases_with_taps, t)}
+        "capture_python_hooks": functools.partial(_host_phases_with_python_hooks, t)}
     rows: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in HOST_KINDS}
     for _ in range(reps):
         for kind in HOST_KINDS:
@@ -244,7 +240,7 @@ def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
         return {phase: (out[more][phase]["median"] - out[less][phase]["median"]) * 1e3 / layers for phase in PHASES}
 
     out["capture_extra_us_per_layer"] = per_layer_us("capture", "normal")
-    out["taps_extra_us_per_layer"] = per_layer_us("capture_taps", "normal")
+    out["python_hooks_extra_us_per_layer"] = per_layer_us("capture_python_hooks", "normal")
     return out
 
 
@@ -254,12 +250,12 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     base.steps(cfg.warmup)
     ada.steps(cfg.warmup)
     on_side = functools.partial(capture_step_on_side_stream, ada)
-    with_taps = functools.partial(capture_step_with_taps, ada)
+    with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                          "normal": functools.partial(elapsed_ms, ada.step, device),
                          "capture": functools.partial(elapsed_ms, ada.capture_step, device),
                          "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
-                         "capture_taps": functools.partial(elapsed_ms, with_taps, device)}, cfg.sync_reps)
+                         "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
@@ -278,9 +274,10 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
                  "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio),
-                 "capture_taps_ms": spread(sync["capture_taps"]),
-                 "taps_above_normal_ms": _paired(sync["capture_taps"], sync["normal"], _diff),
-                 "taps_vs_python_hooks_ratio": _paired(sync["capture_taps"], sync["capture"], _ratio)},
+                 "capture_uses_taps": capture_taps.enabled(),
+                 "capture_python_hooks_ms": spread(sync["capture_python_hooks"]),
+                 "python_hooks_above_normal_ms": _paired(sync["capture_python_hooks"], sync["normal"], _diff),
+                 "python_hooks_vs_capture_ratio": _paired(sync["capture_python_hooks"], sync["capture"], _ratio)},
         "host": host,
         "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
                            "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
@@ -360,7 +357,8 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(("sync capture step vs normal", s["capture_vs_normal_ratio"]["median"], "x", 1.05))
     rows += [("sync capture step, statistics on a side stream vs the current stream",
               s["side_vs_current_stream_ratio"]["median"], "x", None),
-             ("sync capture step, C++ gradient taps vs Python hooks", s["taps_vs_python_hooks_ratio"]["median"], "x", None),
+             ("sync capture step, Python hooks vs C++ gradient taps (the default)",
+              s["python_hooks_vs_capture_ratio"]["median"], "x", None),
              ("capture-step peak memory vs normal", r["memory"]["capture_vs_normal_ratio"], "x", 1.05),
              ("optimizer step vs Adam (eager)", r["optimizer_step"]["vs_adam_ratio"]["median"], "x", 0.6),
              ("optimizer state vs Adam", r["state"]["vs_adam_ratio"], "x", None)]
@@ -398,15 +396,15 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
-                     f"capture with C++ taps {ms(s['capture_taps_ms'])}")
+                     f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")
         if "host" in r:
             h = r["host"]
             lines.append("  host ms (forward, backward, step): " + "; ".join(
                 f"{kind.replace('_', ' with ')} " + ", ".join(f"{h[kind][p]['median']:.2f}" for p in PHASES)
                 for kind in HOST_KINDS))
-            lines.append(f"  a capture adds per layer ({h['layers']}), us: Python hooks " +
-                         ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + "; C++ taps " +
-                         ", ".join(f"{h['taps_extra_us_per_layer'][p]:.0f}" for p in PHASES))
+            lines.append(f"  a capture adds per layer ({h['layers']}), us: " +
+                         ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + "; with Python hooks " +
+                         ", ".join(f"{h['python_hooks_extra_us_per_layer'][p]:.0f}" for p in PHASES))
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "

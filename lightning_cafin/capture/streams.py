@@ -65,24 +65,34 @@ def parse_flag(value: str, what: str) -> bool:
 
 class EnvSwitch:
     """A process-wide on/off setting: the last value set, else its environment variable
-    (read when first needed, not at import; a bad value is an error naming it), else off."""
+    (read when first needed, not at import; a bad value is an error naming it), else
+    ``default``."""
 
-    __slots__ = ("env_var", "_value")
+    __slots__ = ("env_var", "default", "_value")
 
-    def __init__(self, env_var: str) -> None:
-        self.env_var = env_var
+    def __init__(self, env_var: str, default: bool = False) -> None:
+        self.env_var, self.default = env_var, default
         self._value: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
 
     def get(self) -> bool:
         if self._value is None:
-            raw = os.environ.get(self.env_var, "0").strip() or "0"
-            self._value = parse_flag(raw, f"the environment variable {self.env_var}")
+            raw = os.environ.get(self.env_var, "").strip()
+            self._value = parse_flag(raw, f"the environment variable {self.env_var}") if raw else self.default
         return self._value
 
     def set(self, on: bool) -> bool:
         """Set it; returns the previous setting."""
         previous, self._value = self.get(), bool(on)
         return previous
+
+    @contextlib.contextmanager
+    def using(self, on: bool) -> Iterator[None]:
+        """The setting ``on`` inside the block, the previous one restored after it."""
+        previous = self.set(on)
+        try:
+            yield
+        finally:
+            self.set(previous)
 
 
 _switch = EnvSwitch(ENV_VAR)

@@ -56,6 +56,19 @@ def tap_setting():
     taps.set_enabled(previous)
 
 
+def test_using_sets_the_taps_inside_the_block_and_restores_them_after_it():
+    previous = taps.set_enabled(False)
+    try:
+        with taps.using(True):
+            assert taps.enabled() is True
+        assert taps.enabled() is False
+        with pytest.raises(KeyError), taps.using(True):
+            raise KeyError("an error inside the block")
+        assert taps.enabled() is False  # restored on the way out of an error too
+    finally:
+        taps.set_enabled(previous)
+
+
 @pytest.fixture
 def on_cpu(ext, monkeypatch, tap_setting):
     """The capture path sees the extension for float32 CPU tensors (layer_stats' CPU reference,
@@ -240,11 +253,14 @@ def test_the_taps_refuse_an_output_without_grad(ext):
         ext.tap_gradient(ext.TapSink(), x * 2, torch.ones(4), 3.0, 1, True, 0.0, 3.0)
 
 
-@pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("", "False"), ("sometimes", "ValueError")])
+@pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("off", "False"), ("", "True"), (None, "True"),
+                                         ("sometimes", "ValueError")])
 def test_the_setting_comes_from_its_environment_variable(value, want):
+    """On unless the variable turns it off (taps are the default: the bench measured them)."""
     code = ("from lightning_cafin.capture import taps\n"
             "try:\n    print(taps.enabled())\nexcept ValueError as e:\n    print('ValueError', e)")
-    env = {**os.environ, taps.ENV_VAR: value, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != taps.ENV_VAR}
+    env.update({"PYTHONPATH": str(ROOT)} if value is None else {taps.ENV_VAR: value, "PYTHONPATH": str(ROOT)})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.stdout.startswith(want), out.stderr
     if want == "ValueError":
