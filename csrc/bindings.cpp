@@ -68,20 +68,31 @@ once, x and grad marked as read there (join before reading the results).  CPU te
       .def("take", &lightning_cafin::TapSink::take,
            "Every (h, hn, s, sn) added since the last take, oldest first; the sink is then empty.")
       .def("__len__", &lightning_cafin::TapSink::size);
-  m.def("tap_layer", &lightning_cafin::tap_layer,
-        R"doc(Register on ``output`` (requiring grad) a C++ tensor hook that, when the gradient of
+  py::class_<lightning_cafin::TapPlan, std::shared_ptr<lightning_cafin::TapPlan>>(
+      m, "TapPlan",
+      R"doc(One layer's gradient tap for one pair of shapes: its sink and layer_stats' arguments
+(input_op, input_div, grad_dim, grad_square, grad_div) with the counts hn, sn added with the
+sums.  Made once per layer and shapes; each tap is then one call of three arguments.)doc")
+      .def(py::init<std::shared_ptr<lightning_cafin::TapSink>, std::vector<int64_t>, double, int64_t, bool, double,
+                    double, double>(),
+           py::arg("sink"), py::arg("input_op"), py::arg("input_div"), py::arg("grad_dim"), py::arg("grad_square"),
+           py::arg("grad_div"), py::arg("hn"), py::arg("sn"))
+      .def("tap",
+           [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
+              bool side) { lightning_cafin::tap(self, x, output, side); },
+           R"doc(Register on ``output`` (requiring grad) a C++ tensor hook that, when the gradient of
 that value arrives, calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square,
-grad_div, side), adds (h, hn, s, sn) to ``sink`` and lets go of x; a second backward
-through a retained graph adds nothing.  CPU tensors take layer_stats' ATen reference.)doc",
-        py::arg("sink"), py::arg("x"), py::arg("output"), py::arg("input_op"), py::arg("input_div"),
-        py::arg("grad_dim"), py::arg("grad_square"), py::arg("grad_div"), py::arg("hn"), py::arg("sn"),
-        py::arg("side") = false);
-  m.def("tap_gradient", &lightning_cafin::tap_gradient,
-        R"doc(As tap_layer where the input's statistics (h, hn) were read in the forward: the hook
+grad_div, side), adds (h, hn, s, sn) to the sink and lets go of x (held detached until
+then); a second backward through a retained graph adds nothing.  CPU tensors take
+layer_stats' ATen reference.)doc",
+           py::arg("x"), py::arg("output"), py::arg("side") = false)
+      .def("tap_gradient",
+           [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& output, const at::Tensor& h, double hn,
+              bool side) { lightning_cafin::tap_gradient(self, output, h, hn, side); },
+           R"doc(As tap where the input's statistics (h, hn) were read in the forward: the hook
 computes s = channel_stats(grad, grad_dim, grad_square, grad_div, side) (the ATen reference
-for a CPU gradient) and adds (h, hn, s, sn) to ``sink``, once per graph.)doc",
-        py::arg("sink"), py::arg("output"), py::arg("h"), py::arg("hn"), py::arg("grad_dim"), py::arg("grad_square"),
-        py::arg("grad_div"), py::arg("sn"), py::arg("side") = false);
+for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
+           py::arg("output"), py::arg("h"), py::arg("hn"), py::arg("side") = false);
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

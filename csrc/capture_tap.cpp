@@ -8,28 +8,23 @@
 namespace lightning_cafin {
 namespace {
 
-const char* kTap = "tap_layer: ";
-const char* kGradTap = "tap_gradient: ";
+const char* kTap = "TapPlan.tap: ";
+const char* kGradTap = "TapPlan.tap_gradient: ";
 
 struct Tap {
-  std::shared_ptr<TapSink> sink;
+  std::shared_ptr<const TapPlan> plan;
   at::Tensor x;  // released when the tap fires
-  std::vector<int64_t> input_op;
-  double input_div, grad_div, hn, sn;
-  int64_t grad_dim;
-  bool grad_square, side;
 };
 
 struct GradientTap {
-  std::shared_ptr<TapSink> sink;
+  std::shared_ptr<const TapPlan> plan;
   at::Tensor h;  // the input's statistics, read in the forward
-  double hn, grad_div, sn;
-  int64_t grad_dim;
-  bool grad_square, side, fired = false;
+  double hn;
+  bool side, fired = false;
 };
 
-void check_tap_args(const std::shared_ptr<TapSink>& sink, const at::Tensor& output, const char* op) {
-  TORCH_CHECK(sink != nullptr, op, "sink must be a TapSink, got None");
+void check_tap_args(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const char* op) {
+  TORCH_CHECK(plan != nullptr, op, "plan must be a TapPlan, got None");
   TORCH_CHECK(output.defined(), op, "output must be a tensor");
   TORCH_CHECK(output.requires_grad(), op, "output must require grad (nothing would call the tap)");
 }
@@ -53,38 +48,48 @@ int64_t TapSink::size() const {
   return static_cast<int64_t>(results_.size());
 }
 
-void tap_layer(const std::shared_ptr<TapSink>& sink, const at::Tensor& x, const at::Tensor& output,
-               std::vector<int64_t> input_op, double input_div, int64_t grad_dim, bool grad_square, double grad_div,
-               double hn, double sn, bool side) {
-  check_tap_args(sink, output, kTap);
+TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_, double input_div_, int64_t grad_dim_,
+                 bool grad_square_, double grad_div_, double hn_, double sn_)
+    : sink(std::move(sink_)),
+      input_op(std::move(input_op_)),
+      input_div(input_div_),
+      grad_div(grad_div_),
+      hn(hn_),
+      sn(sn_),
+      grad_dim(grad_dim_),
+      grad_square(grad_square_) {
+  TORCH_CHECK(sink != nullptr, "TapPlan: sink must be a TapSink, got None");
+}
+
+void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
+  check_tap_args(plan, output, kTap);
   TORCH_CHECK(x.defined(), kTap, "x must be a tensor");
-  auto tap = std::make_shared<Tap>(Tap{sink, x, std::move(input_op), input_div, grad_div, hn, sn, grad_dim,
-                                       grad_square, side});
-  output.register_hook([tap](const at::TensorBase& grad_base) {
-    if (!tap->x.defined()) return;  // a second backward through a retained graph: x is gone
-    const at::Tensor x = std::move(tap->x);
-    tap->x = at::Tensor();
+  auto held = std::make_shared<Tap>(Tap{plan, x.detach()});
+  output.register_hook([held, side](const at::TensorBase& grad_base) {
+    if (!held->x.defined()) return;  // a second backward through a retained graph: x is gone
+    const at::Tensor x = std::move(held->x);
+    held->x = at::Tensor();
     if (!grad_base.defined()) return;
     const at::Tensor grad(grad_base);
-    auto [h, s] = layer_stats(x, grad, tap->input_op, tap->input_div, tap->grad_dim, tap->grad_square, tap->grad_div,
-                              tap->side);
-    tap->sink->add({std::move(h), tap->hn, std::move(s), tap->sn});
+    const TapPlan& p = *held->plan;
+    auto [h, s] = layer_stats(x, grad, p.input_op, p.input_div, p.grad_dim, p.grad_square, p.grad_div, side);
+    p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
   });
 }
 
-void tap_gradient(const std::shared_ptr<TapSink>& sink, const at::Tensor& output, const at::Tensor& h, double hn,
-                  int64_t grad_dim, bool grad_square, double grad_div, double sn, bool side) {
-  check_tap_args(sink, output, kGradTap);
+void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
+                  bool side) {
+  check_tap_args(plan, output, kGradTap);
   TORCH_CHECK(h.defined(), kGradTap, "h must be a tensor");
-  auto tap = std::make_shared<GradientTap>(GradientTap{sink, h, hn, grad_div, sn, grad_dim, grad_square, side});
-  output.register_hook([tap](const at::TensorBase& grad_base) {
-    if (tap->fired || !grad_base.defined()) return;  // a second backward through a retained graph
-    tap->fired = true;
+  auto held = std::make_shared<GradientTap>(GradientTap{plan, h, hn, side});
+  output.register_hook([held](const at::TensorBase& grad_base) {
+    if (held->fired || !grad_base.defined()) return;  // a second backward through a retained graph
+    held->fired = true;
     const at::Tensor grad(grad_base);
-    at::Tensor s = grad.device().is_cpu()
-                       ? channel_stats_reference(grad, tap->grad_dim, tap->grad_square, tap->grad_div)
-                       : channel_stats(grad, tap->grad_dim, tap->grad_square, tap->grad_div, tap->side);
-    tap->sink->add({tap->h, tap->hn, std::move(s), tap->sn});
+    const TapPlan& p = *held->plan;
+    at::Tensor s = grad.device().is_cpu() ? channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div)
+                                          : channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, held->side);
+    p.sink->add({held->h, held->hn, std::move(s), p.sn});
   });
 }
 

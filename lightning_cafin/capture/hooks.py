@@ -173,6 +173,9 @@ class LayerCapture:
     refused: int = 0  # forward/backward pairs dropped because their shape changed
     #: the extension's ``TapSink`` the layer's C++ gradient taps fill (``taps.py``), once one was used
     sink: Any = field(default=None, repr=False)
+    #: the extension's ``TapPlan`` per (input shape, output shape) seen (None: no tap), for ``tap_ext``
+    tap_plans: dict[tuple[torch.Size, torch.Size], Any] = field(default_factory=dict, repr=False)
+    tap_ext: Optional[ModuleType] = field(default=None, repr=False)
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
     #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
@@ -220,11 +223,27 @@ class LayerCapture:
     def pending(self, value: PendingStats) -> None:
         self._pending = value
 
-    def tap_sink(self, ext: ModuleType) -> Any:
-        """The layer's ``TapSink`` for ``tap_layer`` (made on first use)."""
-        if self.sink is None:
+    def tap_plan(self, ext: ModuleType, x: Tensor, output: Tensor) -> Any:
+        """The layer's ``TapPlan`` (``taps.py``) for these shapes, made on first use and kept
+        (the forward of a capture step then makes one call per layer), or ``None`` where the
+        rule has no one-call description.  The caller checked that the kernels take the tensors."""
+        key = (x.shape, output.shape)
+        if ext is self.tap_ext:
+            try:
+                return self.tap_plans[key]
+            except KeyError:
+                pass
+        else:  # the first tap, or another extension: plans and a sink of its own (the old one's results kept)
+            self.pending  # noqa: B018 (reading it moves the old sink's results into the pending sums)
+            self.sink, self.tap_ext = None, ext
+            self.tap_plans.clear()
+        if len(self.tap_plans) >= _FUSED_SHAPES:  # shapes that keep changing (variable lengths)
+            self.tap_plans.clear()
+        fused = self.fused_stats(x, output)
+        if fused is not None and self.sink is None:
             self.sink = ext.TapSink()
-        return self.sink
+        plan = self.tap_plans[key] = None if fused is None else fused.tap_plan(ext, self.sink)
+        return plan
 
     def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
         if not self._pending.add(h, hn, s, sn):
@@ -370,12 +389,12 @@ def _no_grad_in_backward() -> contextlib.AbstractContextManager[object]:
     return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
 
 
-def _wants_capture(capture: LayerCapture, module: nn.Module, output: Tensor) -> bool:
+def _wants_capture(capture: LayerCapture, module: nn.Module, output: Tensor, where: str) -> bool:
     """Whether this call's statistics are to be captured (training, grad, a capture step, and
-    not checkpointing's recomputation in the backward: ``saved_tensors.py``)."""
+    not checkpointing's recomputation in the backward: ``where`` is ``saved_tensors.state()``)."""
     if not module.training or not torch.is_grad_enabled() or not output.requires_grad:
         return False
-    return capture.is_capturing() and saved_tensors.state() != saved_tensors.RECOMPUTING
+    return where != saved_tensors.RECOMPUTING and capture.is_capturing()
 
 
 def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
@@ -383,7 +402,7 @@ def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
     slot.tapped = None
     capture = slot.owner()
     z = args[0] if args else None
-    if isinstance(z, Tensor) and capture is not None and _wants_capture(capture, capture.module, z):
+    if isinstance(z, Tensor) and capture is not None and _wants_capture(capture, capture.module, z, saved_tensors.state()):
         slot.tapped = _GradTap()
         z.register_hook(slot.tapped)
 
@@ -393,20 +412,20 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     capture = slot.owner()
     if capture is None:
         return
+    where = saved_tensors.state()
     if slot.tap is not None:
         if tap is None:
             return  # the tap saw no capture (or did not run): nothing to add
-    elif not isinstance(output, Tensor) or not _wants_capture(capture, module, output):
+    elif not isinstance(output, Tensor) or not _wants_capture(capture, module, output, where):
         return
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, Tensor):
         return
-    x = x.detach()
     rule = capture.rule
-    if (_input_saved_for_backward(module) and not _computed_on_a_cast(x, output)
-            and saved_tensors.state() == saved_tensors.NONE):
-        if tap is None and isinstance(output, Tensor) and taps.enabled() and _tapped(capture, x, output):
-            return
+    if where == saved_tensors.NONE and _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
+        if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output):
+            return  # (the tap holds x detached)
+        x = x.detach()
         # The input's statistics are computed with the gradient's, in the backward pass,
         # where the host has time to spare (the forward is launch-bound).  Holding x
         # costs nothing: autograd holds it for the weight's gradient, which is also why
@@ -436,9 +455,10 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # place before the backward, or be gone by then, so read it now, on the current
         # stream (on the side stream, a later in-place write on the current stream would
         # race with the read).
+        x = x.detach()
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
-        if tap is None and isinstance(output, Tensor) and taps.enabled() and _tapped_gradient(capture, x, output, h, hn):
+        if tap is None and isinstance(output, Tensor) and _tapped_gradient(capture, x, output, h, hn):
             return
         read = [h]  # one pair per forward, as above: a second backward adds nothing
 
@@ -456,38 +476,36 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         output.register_hook(on_output_grad)
 
 
-def _tap_target(capture: LayerCapture, x: Tensor, output: Tensor,
-                read: tuple[Tensor, ...]) -> Optional[tuple[ModuleType, FusedStats]]:
-    """The extension and the layer's one-call description where a C++ gradient tap
-    (``taps.py``) can take this pair: the kernels take the tensors ``read`` and the rule
-    describes the pair as one call.  The gradient has the output's shape, dtype and device,
-    so the output decides as the gradient would."""
+def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tensor, ...]) -> Any:
+    """The layer's ``TapPlan`` where a C++ gradient tap (``taps.py``) can take this pair: taps
+    on, the kernels take the tensors ``read`` and the rule describes the pair as one call;
+    else ``None``.  The gradient has the output's shape, dtype and device, so the output
+    decides as the gradient would."""
+    if not taps.enabled():
+        return None
     ext = _kernels.ext_for(*read)
     if ext is None or not taps.available(ext):
         return None
-    fused = capture.fused_stats(x, output)
-    return None if fused is None else (ext, fused)
+    return capture.tap_plan(ext, x, output)
 
 
 def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
     """Register the layer's C++ gradient tap where the Python hook would make one extension
     call in the backward; False (nothing registered) elsewhere."""
-    target = _tap_target(capture, x, output, (x, output))
-    if target is None:
+    plan = _tap_plan(capture, x, output, (x, output))
+    if plan is None:
         return False
-    ext, fused = target
-    fused.tap(ext, capture.tap_sink(ext), x, output, streams.side())
+    plan.tap(x, output, streams.side())
     return True
 
 
 def _tapped_gradient(capture: LayerCapture, x: Tensor, output: Tensor, h: Tensor, hn: float) -> bool:
     """As :func:`_tapped` where the input's statistics ``h``, ``hn`` were read in the forward:
     the tap computes only the gradient's."""
-    target = _tap_target(capture, x, output, (output,))
-    if target is None:
+    plan = _tap_plan(capture, x, output, (output,))
+    if plan is None:
         return False
-    ext, fused = target
-    fused.tap_gradient(ext, capture.tap_sink(ext), output, h, hn, streams.side())
+    plan.tap_gradient(output, h, hn, streams.side())
     return True
 
 

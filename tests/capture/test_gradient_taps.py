@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ext():
     module = extension_if_built()
-    if module is None or not hasattr(module, "tap_layer"):
+    if module is None or not hasattr(module, "TapPlan"):
         why = "the CUDA extension is not built here (python -m lightning_cafin.kernels.loader --build)"
         if os.environ.get("CAFIN_REQUIRE_EXTENSION") == "1":
             pytest.fail(why + ", and CAFIN_REQUIRE_EXTENSION=1 requires it")
@@ -79,8 +79,7 @@ def on_cpu(ext, monkeypatch, tap_setting):
         calls.append("layer_stats")
         return ext.layer_stats(*args)
 
-    stand_in = types.SimpleNamespace(layer_stats=layer_stats, tap_layer=ext.tap_layer, TapSink=ext.TapSink,
-                                     tap_gradient=ext.tap_gradient,
+    stand_in = types.SimpleNamespace(layer_stats=layer_stats, TapPlan=ext.TapPlan, TapSink=ext.TapSink,
                                      channel_stats=fake_channel_stats, conv_input_stats=fake_conv_input_stats,
                                      factor_update_=fake_factor_update_)
     monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None)
@@ -141,6 +140,33 @@ def test_taps_give_the_python_hooks_factors_and_weights(on_cpu):
         assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
     for p, q in zip(tapped.parameters(), hooked.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_layer_keeps_its_tap_plan_per_shapes_and_its_sink_per_extension(on_cpu, monkeypatch):
+    """The forward of a capture step makes one call per tapped layer: the plan is made on
+    the first capture with those shapes and kept; another batch size gets a plan of its own;
+    another extension gets new plans and a sink of its own, the old sink's results kept."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _train(model, 1, taps_on=True)
+    fc = opt.binding.captures["fc"]
+    (first,) = fc.tap_plans.values()
+    sink = fc.sink
+
+    def forward_backward(batch):
+        nn.functional.cross_entropy(model(torch.randn(batch, 3, 6, 6)), torch.randint(0, 5, (batch,))).backward()
+
+    opt.zero_grad()
+    forward_backward(4)
+    assert list(fc.tap_plans.values()) == [first] and fc.sink is sink and len(sink) == 1  # kept, by identity
+    forward_backward(2)  # a second micro-batch of another size
+    assert len(fc.tap_plans) == 2 and first in fc.tap_plans.values() and len(sink) == 2
+    other = types.SimpleNamespace(**vars(ck.ext_for(torch.ones(1))))  # the same ops, another extension object
+    monkeypatch.setattr(ck, "ext_for", lambda *t: other if all(v.dtype == torch.float32 for v in t) else None)
+    forward_backward(4)
+    assert fc.sink is not sink and len(fc.sink) == 1 and list(fc.tap_plans.values()) != [first]
+    assert fc.pending.calls == 3  # the first sink's two results were moved to the pending sums, then the new one's
+    opt.step()
 
 
 def test_micro_batches_add_up_as_with_the_python_hooks(on_cpu):
@@ -220,6 +246,33 @@ def test_gradient_taps_where_the_input_is_read_in_the_forward(on_cpu, retain):
         assert torch.equal(p, q)
 
 
+def test_a_layer_keeps_its_tap_plan_per_shapes_and_its_sink_per_extension(on_cpu, monkeypatch):
+    """The forward of a capture step makes one call per tapped layer: the plan is made on
+    the first capture with those shapes and kept; another batch size gets a plan of its own;
+    another extension gets new plans and a sink of its own, the old sink's results kept."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _train(model, 1, taps_on=True)
+    fc = opt.binding.captures["fc"]
+    (first,) = fc.tap_plans.values()
+    sink = fc.sink
+
+    def forward_backward(batch):
+        nn.functional.cross_entropy(model(torch.randn(batch, 3, 6, 6)), torch.randint(0, 5, (batch,))).backward()
+
+    opt.zero_grad()
+    forward_backward(4)
+    assert list(fc.tap_plans.values()) == [first] and fc.sink is sink and len(sink) == 1  # kept, by identity
+    forward_backward(2)  # a second micro-batch of another size
+    assert len(fc.tap_plans) == 2 and first in fc.tap_plans.values() and len(sink) == 2
+    other = types.SimpleNamespace(**vars(ck.ext_for(torch.ones(1))))  # the same ops, another extension object
+    monkeypatch.setattr(ck, "ext_for", lambda *t: other if all(v.dtype == torch.float32 for v in t) else None)
+    forward_backward(4)
+    assert fc.sink is not sink and len(fc.sink) == 1 and list(fc.tap_plans.values()) != [first]
+    assert fc.pending.calls == 3  # the first sink's two results were moved to the pending sums, then the new one's
+    opt.step()
+
+
 def test_a_second_backward_adds_no_pair_on_either_path(on_cpu):
     counts = {}
     for taps_on in (False, True):
@@ -239,7 +292,7 @@ def test_a_failing_tap_raises_from_the_backward_call(ext):
     w = torch.randn(4, 2, requires_grad=True)
     out = x @ w
     sink = ext.TapSink()
-    ext.tap_layer(sink, x, out, [0, 7, 1], 0.0, 1, True, 0.0, 3.0, 3.0)  # dim 7 of a 2-D input
+    ext.TapPlan(sink, [0, 7, 1], 0.0, 1, True, 0.0, 3.0, 3.0).tap(x, out)  # dim 7 of a 2-D input
     with pytest.raises((RuntimeError, IndexError), match="[Dd]imension|dim"):
         out.sum().backward()
     assert len(sink) == 0
@@ -247,10 +300,13 @@ def test_a_failing_tap_raises_from_the_backward_call(ext):
 
 def test_the_taps_refuse_an_output_without_grad(ext):
     x = torch.randn(3, 4)
-    with pytest.raises(RuntimeError, match="tap_layer: output must require grad"):
-        ext.tap_layer(ext.TapSink(), x, x * 2, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
-    with pytest.raises(RuntimeError, match="tap_gradient: output must require grad"):
-        ext.tap_gradient(ext.TapSink(), x * 2, torch.ones(4), 3.0, 1, True, 0.0, 3.0)
+    plan = ext.TapPlan(ext.TapSink(), [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
+    with pytest.raises(RuntimeError, match="TapPlan.tap: output must require grad"):
+        plan.tap(x, x * 2)
+    with pytest.raises(RuntimeError, match="TapPlan.tap_gradient: output must require grad"):
+        plan.tap_gradient(x * 2, torch.ones(4), 3.0)
+    with pytest.raises(RuntimeError, match="TapPlan: sink must be a TapSink"):
+        ext.TapPlan(None, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
 
 
 @pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("off", "False"), ("", "True"), (None, "True"),

@@ -116,16 +116,13 @@ class FusedStats:
         return ext.layer_stats(x, grad, self.input_op, self.input_div, self.grad_dim, self.grad_square,
                                self.grad_div, side)
 
-    def tap(self, ext: ModuleType, sink: Any, x: Tensor, output: Tensor, side: bool) -> None:
-        """Register the extension's C++ gradient tap on ``output``: when its gradient arrives,
-        this description's ``layer_stats`` call runs and ``(h, hn, s, sn)`` goes to ``sink``."""
-        ext.tap_layer(sink, x, output, self.input_op, self.input_div, self.grad_dim, self.grad_square,
-                      self.grad_div, self.hn, self.sn, side)
-
-    def tap_gradient(self, ext: ModuleType, sink: Any, output: Tensor, h: Tensor, hn: float, side: bool) -> None:
-        """As :meth:`tap` with the input's statistics ``h``, ``hn`` read already: the tap computes
-        the gradient's sums (this description's gradient side) and adds ``(h, hn, s, sn)``."""
-        ext.tap_gradient(sink, output, h, hn, self.grad_dim, self.grad_square, self.grad_div, self.sn, side)
+    def tap_plan(self, ext: ModuleType, sink: Any) -> Any:
+        """The extension's ``TapPlan``: this description with the layer's ``sink``, whose
+        ``tap(x, output, side)`` registers a C++ gradient tap on ``output`` (when its gradient
+        arrives, this ``layer_stats`` call runs and ``(h, hn, s, sn)`` goes to ``sink``) and
+        ``tap_gradient(output, h, hn, side)`` one computing the gradient's sums only."""
+        return ext.TapPlan(sink, self.input_op, self.input_div, self.grad_dim, self.grad_square, self.grad_div,
+                           self.hn, self.sn)
 
 
 def channel_op(dim: int, square: bool) -> tuple[int, int, int]:
