@@ -176,6 +176,9 @@ class LayerCapture:
     #: the extension's ``TapPlan`` per (input shape, output shape) seen (None: no tap), for ``tap_ext``
     tap_plans: dict[tuple[torch.Size, torch.Size], Any] = field(default_factory=dict, repr=False)
     tap_ext: Optional[ModuleType] = field(default=None, repr=False)
+    #: taps registered on ``sink`` whose results were not taken yet: while 0 (every step
+    #: without a capture) nothing asks the sink, a call into the extension per layer
+    taps_out: int = field(default=0, repr=False)
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
     #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
@@ -213,15 +216,19 @@ class LayerCapture:
     @property
     def pending(self) -> PendingStats:
         """The statistics gathered since the last optimizer step, the C++ taps' included."""
-        sink = self.sink
-        if sink is not None and len(sink):
-            for h, hn, s, sn in sink.take():
+        if self.taps_out:
+            for h, hn, s, sn in self._take_tap_results():
                 self.commit(h, hn, s, sn)
         return self._pending
 
     @pending.setter
     def pending(self, value: PendingStats) -> None:
         self._pending = value
+
+    def _take_tap_results(self) -> list[tuple[Tensor, float, Tensor, float]]:
+        results = self.sink.take()
+        self.taps_out -= len(results)  # (a tap whose graph is dropped unfired stays counted: the sink is then asked)
+        return results
 
     def tap_plan(self, ext: ModuleType, x: Tensor, output: Tensor) -> Any:
         """The layer's ``TapPlan`` (``taps.py``) for these shapes, made on first use and kept
@@ -235,7 +242,7 @@ class LayerCapture:
                 pass
         else:  # the first tap, or another extension: plans and a sink of its own (the old one's results kept)
             self.pending  # noqa: B018 (reading it moves the old sink's results into the pending sums)
-            self.sink, self.tap_ext = None, ext
+            self.sink, self.tap_ext, self.taps_out = None, ext, 0
             self.tap_plans.clear()
         if len(self.tap_plans) >= _FUSED_SHAPES:  # shapes that keep changing (variable lengths)
             self.tap_plans.clear()
@@ -251,10 +258,13 @@ class LayerCapture:
 
     def take_pending(self) -> PendingStats:
         """The statistics gathered since the last optimizer step; the layer starts empty again."""
-        pending, sink = self._pending, self.sink
-        if pending.calls == 0 and sink is not None and len(sink) == 1:  # one tap fired: the usual capture step
-            h, hn, s, sn = sink.take()[0]
-            return PendingStats(h, hn, s, sn, calls=1)  # (self._pending stays the empty one)
+        if self._pending.calls == 0 and self.taps_out:
+            results = self._take_tap_results()
+            if len(results) == 1:  # one tap fired: the usual capture step
+                h, hn, s, sn = results[0]
+                return PendingStats(h, hn, s, sn, calls=1)  # (self._pending stays the empty one)
+            for h, hn, s, sn in results:
+                self.commit(h, hn, s, sn)
         pending, self._pending = self.pending, PendingStats()
         return pending
 
@@ -496,6 +506,7 @@ def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
     if plan is None:
         return False
     plan.tap(x, output, streams.side())
+    capture.taps_out += 1
     return True
 
 
@@ -506,6 +517,7 @@ def _tapped_gradient(capture: LayerCapture, x: Tensor, output: Tensor, h: Tensor
     if plan is None:
         return False
     plan.tap_gradient(output, h, hn, streams.side())
+    capture.taps_out += 1
     return True
 
 
