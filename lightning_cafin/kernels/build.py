@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import sources
-from .build_cache import build_directory, build_key
+from .build_cache import KEEP_ENV, build_directory, build_key, builds_to_keep, prune_superseded
 from .info import ExtensionInfo
 from .sources import EXTENSION_NAME
 from .toolchain import Toolchain
@@ -99,6 +99,18 @@ def write_log(path: Path, text: str) -> Optional[str]:
         return None
 
 
+def _prune_older_builds(build_dir: Path) -> None:
+    """After a build: this install's older builds beyond the newest few go (``build_cache``)."""
+    try:
+        removed = prune_superseded(build_dir)
+    except (OSError, ValueError) as exc:  # a bad LIGHTNING_CAFIN_KEEP_BUILDS or an unreadable cache: keep everything
+        print(f"lightning_cafin: older builds were kept: {exc}", file=sys.stderr, flush=True)
+        return
+    if removed:
+        print(f"removed {len(removed)} older build(s) of this install from {build_dir.parent} "
+              f"({KEEP_ENV}={builds_to_keep()} are kept besides the current one)", file=sys.stderr, flush=True)
+
+
 def build_and_load(tool: Toolchain, verbose: bool) -> tuple[Optional[ModuleType], ExtensionInfo]:
     """(module, info) from the build cache, building into it first when it does not hold this build.
 
@@ -145,6 +157,7 @@ def build_and_load(tool: Toolchain, verbose: bool) -> tuple[Optional[ModuleType]
     seconds = time.monotonic() - started
     if building:
         print(f"built the lightning_cafin CUDA extension in {seconds:.0f} s", file=sys.stderr, flush=True)
+        _prune_older_builds(build_dir)
     text = (
         f"built/loaded {EXTENSION_NAME} from {getattr(module, '__file__', '?')}\n"
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), nvcc {tool.nvcc} "

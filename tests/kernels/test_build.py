@@ -83,6 +83,26 @@ def test_a_build_is_announced_on_stderr(monkeypatch, fake_toolchain, capsys):
     assert seen["verbose"] is False
 
 
+def test_a_build_prunes_the_installs_older_builds(monkeypatch, fake_toolchain, capsys):
+    import json
+
+    build_dir = build_cache.build_directory(toolchain.check())
+    install = build_cache.build_key(toolchain.check())["install"]
+    build_dir.parent.mkdir(parents=True)
+    older = []
+    for i in range(4):
+        folder = build_dir.parent / f"torch0.0-cu0-nvcc0-cpython-0-{i:016x}"
+        folder.mkdir()
+        (folder / "key.json").write_text(json.dumps({"install": install}))
+        os.utime(folder, (1000.0 * (i + 1), 1000.0 * (i + 1)))  # long ago: none is a build in progress
+        older.append(folder)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: type(sys)("fake_ext"))
+    monkeypatch.delenv(build_cache.KEEP_ENV, raising=False)
+    assert kernels.extension_info().loaded
+    assert [f.exists() for f in older] == [False, False, True, True]  # the two newest older builds are kept
+    assert "removed 2 older build(s) of this install" in capsys.readouterr().err
+
+
 def test_no_notice_when_the_cache_holds_the_build(monkeypatch, fake_toolchain, capsys):
     build_dir = build_cache.build_directory(toolchain.check())
     build_dir.mkdir(parents=True)
