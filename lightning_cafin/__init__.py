@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .capture.exclusion import no_capture
 from .capture.layers import register_layer
 from .capture.rules import LayerRule
 from .optimizer import AdaFisher, AdaFisherW
@@ -33,7 +34,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "AdaFisher", "AdaFisherW", "CAFINCallback", "DivergenceError", "LayerRule", "extension_info", "register_layer",
+    "AdaFisher", "AdaFisherW", "CAFINCallback", "DivergenceError", "LayerRule", "extension_info", "no_capture",
+    "register_layer",
     "__version__",
 ]
 

@@ -177,7 +177,12 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             capture_streams.release()
         self.binding.version += 1
         by_name = self.binding.captures
-        trainable = [n for n in report.not_fired if any(p.requires_grad for p in by_name[n].module.parameters(recurse=False))]
+        # a layer whose forwards were all inside no_capture() was not missed: no warning, not functional
+        excluded = {cap.name for cap in captures if cap.excluded_forwards}
+        for name in excluded:
+            by_name[name].excluded_forwards = 0
+        trainable = [n for n in report.not_fired if n not in excluded
+                     and any(p.requires_grad for p in by_name[n].module.parameters(recurse=False))]
         # Gradients without a hook call mean the weights are used functionally, except at a first
         # step where no hook fired anywhere: torch.distributed.checkpoint initialises a fresh
         # optimizer's state with such a step (zero gradients, no forward), which says nothing.

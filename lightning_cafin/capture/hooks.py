@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from . import kernels as _kernels
-from . import saved_tensors, streams, taps
+from . import exclusion, saved_tensors, streams, taps
 from .layers import LayerRule, gradient_tap
 from .rules.base import FusedStats, KernelPlan
 
@@ -179,6 +179,8 @@ class LayerCapture:
     #: taps registered on ``sink`` whose results were not taken yet: while 0 (every step
     #: without a capture) nothing asks the sink, a call into the extension per layer
     taps_out: int = field(default=0, repr=False)
+    #: forwards of a capture step run inside ``no_capture()`` (``exclusion.py``) since the last capture
+    excluded_forwards: int = field(default=0, repr=False)
     #: the rule's ``fused_stats`` per (input shape, gradient shape) seen (None: not fusable)
     fused: dict[tuple[torch.Size, torch.Size], Optional[FusedStats]] = field(default_factory=dict, repr=False)
     #: the rule's last ``kernel_plan`` and the (sum size, count, has a bias) it was made for (``factors.py``)
@@ -400,11 +402,17 @@ def _no_grad_in_backward() -> contextlib.AbstractContextManager[object]:
 
 
 def _wants_capture(capture: LayerCapture, module: nn.Module, output: Tensor, where: str) -> bool:
-    """Whether this call's statistics are to be captured (training, grad, a capture step, and
-    not checkpointing's recomputation in the backward: ``where`` is ``saved_tensors.state()``)."""
+    """Whether this call's statistics are to be captured (training, grad, a capture step, not
+    inside ``no_capture()``, and not checkpointing's recomputation in the backward: ``where``
+    is ``saved_tensors.state()``)."""
     if not module.training or not torch.is_grad_enabled() or not output.requires_grad:
         return False
-    return where != saved_tensors.RECOMPUTING and capture.is_capturing()
+    if where == saved_tensors.RECOMPUTING or not capture.is_capturing():
+        return False
+    if exclusion.excluded():
+        capture.excluded_forwards += 1  # reached, on purpose without statistics: not a layer the step missed
+        return False
+    return True
 
 
 def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
