@@ -79,6 +79,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
     out = capsys.readouterr().out
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
+    assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
     # the goals table prints last: 4 workloads x 10 figures, then the callback's 3
     assert last[-44].split()[:2] == ["workload", "figure"]

@@ -218,6 +218,7 @@ PHASES = ("forward", "backward", "step")
 #: the step kinds whose host phases are timed: a normal step, a capture step (the default
 #: setting), and one with Python hooks instead of C++ taps
 HOST_KINDS = ("normal", "capture", "capture_python_hooks")
+HOST_LABELS = {"normal": "normal", "capture": "capture", "capture_python_hooks": "capture with Python hooks"}
 
 
 def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
@@ -400,7 +401,7 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
         if "host" in r:
             h = r["host"]
             lines.append("  host ms (forward, backward, step): " + "; ".join(
-                f"{kind.replace('_', ' with ')} " + ", ".join(f"{h[kind][p]['median']:.2f}" for p in PHASES)
+                f"{HOST_LABELS[kind]} " + ", ".join(f"{h[kind][p]['median']:.2f}" for p in PHASES)
                 for kind in HOST_KINDS))
             lines.append(f"  a capture adds per layer ({h['layers']}), us: " +
                          ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + "; with Python hooks " +

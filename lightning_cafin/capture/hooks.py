@@ -10,7 +10,7 @@ On capture steps the input's statistics are computed together with the gradient'
 in the backward pass (the forward pass is launch-bound), by one extension call per layer
 where the rule describes both sums as one (``FusedStats``: the kernels, the side-stream
 ordering when ``streams.py``'s side stream is on, and the results in one allocation),
-else by the rule's two partial methods.  With C++ gradient taps on (``taps.py``), a layer
+else by the rule's two partial methods.  With C++ gradient taps on (the default, ``taps.py``), a layer
 whose statistics are that one call gets a tap registered on its output by one extension
 call in the forward instead of a Python tensor hook (one computing only the gradient's
 sums where the input's were read in the forward, below): the backward then runs no
