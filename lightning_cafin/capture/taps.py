@@ -4,18 +4,18 @@ tensor hook.
 A capture step is host-bound: per captured layer the Python tensor hook costs its
 registration in the forward (11 microseconds a call, measured on the H200 machine's host),
 then in the backward a call into the interpreter, the hook's own Python and the
-statistics op's argument parsing.  With the tap, the forward hook makes one extension call
-(the layer's ``TapPlan.tap``, ``csrc/capture_tap.h``) that registers a C++ hook on the output; in the
-backward pass that hook runs ``layer_stats`` and stores its results in the layer's
-``TapSink`` without entering Python, and the optimizer takes them at the step
+statistics op's argument parsing.  With the tap, the forward hook makes one extension
+call (the layer's ``TapPlan.tap``, ``csrc/capture_tap.h``) that registers a C++ hook on
+the output; in the backward pass that hook runs ``layer_stats`` and stores its results in
+the layer's ``TapSink`` without entering Python, and the optimizer takes them at the step
 (``LayerCapture.pending``).  The statistics are the same kernels' (the same one call per
 layer the Python hook makes); only where the host spends its time changes.
 
 Taken only where the rule describes the statistics as that one call (a ``FusedStats`` for
 the shapes) on tensors the kernels take; where the input's statistics are read in the
 forward (a frozen weight, a layer computing on an autocast copy, activation
-checkpointing), the tap (``TapPlan.tap_gradient``) computes only the gradient's.  Everything else
-keeps the Python hook.
+checkpointing), the tap (``TapPlan.tap_gradient``) computes only the gradient's.
+Everything else keeps the Python hook.
 
 On by default since the bench measured it on the H200 (at 6ba2567, step-synchronous, a
 capture step with taps against one with Python hooks: 0.97x ResNet-18 fp32, 0.93x bf16 +
