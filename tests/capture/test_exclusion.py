@@ -86,4 +86,3 @@ def test_blocks_nest_restore_on_errors_and_stay_on_their_thread():
     with pytest.raises(KeyError), no_capture():
         raise KeyError("inside")
     assert not exclusion.excluded()
-
