@@ -428,8 +428,8 @@ def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
 def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
     tap, slot.tapped = slot.tapped, None
     capture = slot.owner()
-    if capture is None:
-        return
+    if capture is None or capture.module is not module:
+        return  # unbound, or a copy (copy.deepcopy of a model, e.g. an EMA, copies the hook dicts)
     where = saved_tensors.state()
     if slot.tap is not None:
         if tap is None:

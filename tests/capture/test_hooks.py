@@ -9,6 +9,7 @@ the statistics run on a side stream, which must not change a single bit of the f
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Iterator
 
 import pytest
@@ -123,3 +124,24 @@ def test_side_stream_factors_equal_current_stream_factors():
         assert torch.equal(o_side.binding.captures[name].S, cap.S), name
     for a, b in zip(m_side.parameters(), m_cur.parameters()):
         assert torch.equal(a, b)
+
+
+
+def test_a_deep_copy_of_a_bound_model_adds_nothing_to_the_original_layers():
+    """``copy.deepcopy`` (an EMA model, a teacher) copies the modules' hook dicts, ours included:
+    the copy's forwards must not add statistics to the original's layers."""
+    from lightning_cafin import AdaFisher
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach", capture="torch")
+    model(torch.randn(5, 6)).mean().backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    assert any(len(m._forward_hooks) for m in twin.modules())  # the copy carries the hook
+    opt.zero_grad()
+    twin(torch.randn(5, 6)).mean().backward()  # a training forward with grad, on a capture step
+    assert all(c.pending.calls == 0 for c in opt.binding.captures.values())
+    model(torch.randn(5, 6)).mean().backward()
+    assert all(c.pending.calls == 1 for c in opt.binding.captures.values())
+    opt.step()
