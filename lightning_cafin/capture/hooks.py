@@ -419,8 +419,10 @@ def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
     """Pre-hook of the submodule receiving a norm's affine output: hook the gradient there."""
     slot.tapped = None
     capture = slot.owner()
+    if capture is None or slot.tap is None or submodule._forward_pre_hooks is not slot.tap.hooks:
+        return  # unbound, or a deep copy's submodule (copy.deepcopy copied the hook dict), as in _capture_forward
     z = args[0] if args else None
-    if isinstance(z, Tensor) and capture is not None and _wants_capture(capture, capture.module, z, saved_tensors.state()):
+    if isinstance(z, Tensor) and _wants_capture(capture, capture.module, z, saved_tensors.state()):
         slot.tapped = _GradTap()
         z.register_hook(slot.tapped)
 

@@ -112,3 +112,25 @@ def test_a_forward_without_graph_leaves_no_tap_behind():
         factors.append((opt.factors()[""].S.clone(), opt.factors()[""].H.clone()))
     for a, b in zip(*factors):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_deep_copy_of_a_bound_norm_act_does_no_capture_work_for_the_original():
+    """The copy's pre-hook on the tap submodule and its forward hook (both copied with the hook
+    dicts) leave the original's capture alone: no schedule question, no statistics."""
+    torch.manual_seed(0)
+    norm = norm_act.GroupNormAct(6, num_groups=3, act_layer=nn.SiLU, drop_layer=Half).double()
+    opt = AdaFisher(norm, TCov=1, backend="reference")
+    norm(torch.randn(2, 6, 3, 3, dtype=D)).square().sum().backward()
+    opt.step()
+    twin = copy.deepcopy(norm)
+    assert len(twin.drop._forward_pre_hooks) == 1  # the copy carries the tap's pre-hook
+    cap = opt.binding.captures[""]
+    asked = []
+    is_capturing = cap.is_capturing
+    cap.is_capturing = lambda: asked.append(1) or is_capturing()
+    opt.zero_grad()
+    twin(torch.randn(2, 6, 3, 3, dtype=D)).square().sum().backward()
+    assert asked == [] and cap.pending.calls == 0
+    norm(torch.randn(2, 6, 3, 3, dtype=D)).square().sum().backward()
+    assert len(asked) >= 1 and cap.pending.calls == 1
+    opt.step()
