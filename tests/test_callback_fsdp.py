@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cafin import AdaFisher, CAFINCallback
-from tests.distributed_runs import free_port, local_master
+from tests.distributed_runs import free_port, local_master, spawn_ranks
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -92,7 +92,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 
 def test_model_parallel_strategy_trains_checkpoints_and_resumes_exactly(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(worker, WORLD, (free_port(), str(tmp_path)), [tmp_path / f"rank{r}.pt" for r in range(WORLD)])
     for rank in range(WORLD):
         r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert r["sharded"] == "DTensor"

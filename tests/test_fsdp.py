@@ -17,15 +17,13 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import lightning_cafin
 from lightning_cafin import AdaFisher
 from lightning_cafin.capture import LinearRule
-from tests.distributed_runs import CountCollectives, free_port, init_gloo
+from tests.distributed_runs import CountCollectives, finish_gloo, free_port, init_gloo, spawn_ranks
 
 pytestmark = pytest.mark.slow
 D = torch.float64
@@ -117,17 +115,18 @@ def worker(rank, world, port, out, resume, hsdp=False):
     record["factors"] = {n: (f.S.clone(), f.H.clone()) for n, f in opt.factors().items()}
     record["memory"] = opt.memory_usage()
     record["reduced_bytes"] = opt.statistics_reduction.last.bytes
-    torch.save(record, os.path.join(out, f"{_kind(resume, hsdp)}{world}-{rank}.pt"))
-    dist.destroy_process_group()
+    finish_gloo(record, _result(out, world, rank, resume, hsdp))
 
 
-def _kind(resume, hsdp):
-    return "resumed" if resume else "hsdp" if hsdp else "run"
+def _result(out, world, rank, resume, hsdp) -> str:
+    kind = "resumed" if resume else "hsdp" if hsdp else "run"
+    return os.path.join(out, f"{kind}{world}-{rank}.pt")
 
 
 def spawn(world, out, resume=False, hsdp=False):
-    mp.spawn(worker, args=(world, free_port(), str(out), resume, hsdp), nprocs=world, join=True)
-    return [torch.load(out / f"{_kind(resume, hsdp)}{world}-{r}.pt", weights_only=True) for r in range(world)]
+    results = [_result(out, world, r, resume, hsdp) for r in range(world)]
+    spawn_ranks(worker, world, (world, free_port(), str(out), resume, hsdp), results)
+    return [torch.load(r, weights_only=True) for r in results]
 
 
 def one_process(parts_at):
