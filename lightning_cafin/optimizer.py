@@ -159,11 +159,10 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
 
     def _capturing_now(self) -> bool:
         """Whether this step captures, with the skip flags that decide it settled (the hooks ask this)."""
-        self.schedule.settle()
-        due = self.schedule.due
-        if due:
+        if self.schedule.settled_due():
             self.capture_options.apply()
-        return due
+            return True
+        return False
 
     def _update_factors(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())

@@ -36,6 +36,13 @@ class CaptureSchedule:
         """Whether the next step captures, as far as the host knows now (no wait, no change)."""
         return self._forced or self.steps_taken % self.every == 0
 
+    def settled_due(self) -> bool:
+        """:meth:`settle`, then :attr:`due`: what every captured layer's forward hook asks, in
+        one call (with no skip flag in flight, nothing to settle)."""
+        if self._deferred.in_flight:
+            self.settle()
+        return self._forced or self.steps_taken % self.every == 0
+
     @property
     def may_be_due(self) -> bool:
         """Whether the next step may capture once the skip flags in flight are known: each

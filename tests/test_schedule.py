@@ -83,6 +83,22 @@ def test_settle_reads_what_arrived_and_waits_only_when_the_flags_decide():
     assert s.steps_taken == 9 and s.skipped == 1 and not s.due
 
 
+def test_settled_due_is_settle_then_due():
+    flags = FlagsInFlight()
+    s = CaptureSchedule(10, deferred=flags)
+    for _ in range(9):
+        flags.record(False)
+        s.advance()
+    flags.record(True)
+    s.advance()  # 10 provisional steps, the last one skipped: not due once settled
+    assert s.due and flags.waits == 0
+    assert s.settled_due() is False
+    assert flags.waits == 1 and flags.in_flight == 0 and s.steps_taken == 9
+    assert s.settled_due() is False and flags.polls == 1  # nothing in flight: nothing read again
+    s.advance()
+    assert s.settled_due() is True
+
+
 def test_checkpoint_waits_for_every_flag():
     flags = FlagsInFlight()
     s = CaptureSchedule(5, deferred=flags)

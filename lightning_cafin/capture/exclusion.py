@@ -17,18 +17,30 @@ import threading
 from typing import Iterator
 
 _local = threading.local()
+_lock = threading.Lock()
+
+
+class _Open:
+    """``no_capture()`` blocks open on any thread: while none is, every captured layer's
+    forward hook knows without reading the thread-local depth."""
+
+    blocks = 0
 
 
 def excluded() -> bool:
     """Whether forwards on this thread are inside :func:`no_capture` now."""
-    return getattr(_local, "depth", 0) > 0
+    return _Open.blocks > 0 and getattr(_local, "depth", 0) > 0
 
 
 @contextlib.contextmanager
 def no_capture() -> Iterator[None]:
     """Forwards in this block (on this thread) add no factor statistics; blocks nest."""
+    with _lock:
+        _Open.blocks += 1
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
         _local.depth -= 1
+        with _lock:
+            _Open.blocks -= 1

@@ -167,8 +167,9 @@ class LayerCapture:
     module: nn.Module
     rule: LayerRule
     is_capturing: Callable[[], bool]
-    S: Optional[Tensor] = None
-    H: Optional[Tensor] = None
+    #: the factors (the ``S`` and ``H`` properties; assigning another tensor is counted)
+    _S: Optional[Tensor] = field(default=None, repr=False)
+    _H: Optional[Tensor] = field(default=None, repr=False)
     _pending: PendingStats = field(default_factory=PendingStats, repr=False)
     refused: int = 0  # forward/backward pairs dropped because their shape changed
     #: the extension's ``TapSink`` the layer's C++ gradient taps fill (``taps.py``), once one was used
@@ -188,10 +189,27 @@ class LayerCapture:
     #: the factor-update kernel's kept arguments for this layer (``factors.KernelSlot``)
     kernel_slot: Any = field(default=None, repr=False)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("S", "H") and value is not getattr(self, name, None):
+    # S and H are properties, not a __setattr__ watching every name: the capture forward
+    # hook sets a counter per layer (taps_out), which a Python __setattr__ would slow down
+    @property
+    def S(self) -> Optional[Tensor]:
+        return self._S
+
+    @S.setter
+    def S(self, value: Optional[Tensor]) -> None:
+        if value is not self._S:
             _FactorTensors.replaced += 1
-        object.__setattr__(self, name, value)
+        self._S = value
+
+    @property
+    def H(self) -> Optional[Tensor]:
+        return self._H
+
+    @H.setter
+    def H(self, value: Optional[Tensor]) -> None:
+        if value is not self._H:
+            _FactorTensors.replaced += 1
+        self._H = value
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +253,8 @@ class LayerCapture:
     def tap_plan(self, ext: ModuleType, x: Tensor, output: Tensor) -> Any:
         """The layer's ``TapPlan`` (``taps.py``) for these shapes, made on first use and kept
         (the forward of a capture step then makes one call per layer), or ``None`` where the
-        rule has no one-call description.  The caller checked that the kernels take the tensors."""
+        rule has no one-call description or ``ext`` no taps.  The caller checked that the
+        kernels take the tensors."""
         key = (x.shape, output.shape)
         if ext is self.tap_ext:
             try:
@@ -248,7 +267,7 @@ class LayerCapture:
             self.tap_plans.clear()
         if len(self.tap_plans) >= _FUSED_SHAPES:  # shapes that keep changing (variable lengths)
             self.tap_plans.clear()
-        fused = self.fused_stats(x, output)
+        fused = self.fused_stats(x, output) if taps.available(ext) else None  # (a build from before the taps: none)
         if fused is not None and self.sink is None:
             self.sink = ext.TapSink()
         plan = self.tap_plans[key] = None if fused is None else fused.tap_plan(ext, self.sink)
@@ -504,9 +523,7 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
     if not taps.enabled():
         return None
     ext = _kernels.ext_for(*read)
-    if ext is None or not taps.available(ext):
-        return None
-    return capture.tap_plan(ext, x, output)
+    return None if ext is None else capture.tap_plan(ext, x, output)
 
 
 def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:

@@ -142,6 +142,23 @@ def test_taps_give_the_python_hooks_factors_and_weights(on_cpu):
         assert torch.equal(p, q)
 
 
+def test_an_extension_built_before_the_taps_leaves_every_layer_to_the_python_hooks(ext, on_cpu, monkeypatch):
+    torch.manual_seed(0)
+    model = _Net()
+    hooked, untapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train(hooked, 2, taps_on=False)
+    python_calls = on_cpu.count("layer_stats")
+    stand_in = ck.ext_for(torch.zeros(1))
+    old_build = types.SimpleNamespace(**{k: v for k, v in vars(stand_in).items() if k not in ("TapPlan", "TapSink")})
+    monkeypatch.setattr(ck, "ext_for", lambda *t: old_build if all(v.dtype == torch.float32 for v in t) else None)
+    got = _train(untapped, 2, taps_on=True)
+    assert on_cpu.count("layer_stats") == 2 * python_calls  # every statistic by a Python hook's call
+    for name, cap in got.binding.captures.items():
+        assert cap.sink is None and cap.taps_out == 0, name
+        want = ref.binding.captures[name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+
+
 def test_a_layer_keeps_its_tap_plan_per_shapes_and_its_sink_per_extension(on_cpu, monkeypatch):
     """The forward of a capture step makes one call per tapped layer: the plan is made on
     the first capture with those shapes and kept; another batch size gets a plan of its own;
