@@ -160,7 +160,9 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
     def _capturing_now(self) -> bool:
         """Whether this step captures, with the skip flags that decide it settled (the hooks ask this)."""
         if self.schedule.settled_due():
-            self.capture_options.apply()
+            options = self.capture_options
+            if options.impl is not None or options.stream is not None:  # (every captured layer's hook asks)
+                options.apply()
             return True
         return False
 

@@ -1,233 +1,187 @@
-"""Where a capture step's extra forward+backward time goes (CIFAR ResNet-18, batch 256).
+"""What a capture step adds to a train step, kernel by kernel, on the bench's workloads.
 
-Measures, with CUDA events (median of --reps):
-  plain      forward+backward, no capture
-  capture    forward+backward with the capture hooks and rules (what the bench's capture_ms is)
-  hooks-only the hooks firing but the rules replaced by returning cached tensors
-             (host-side hook overhead, no statistics work)
-  factors    update_factors on the pending statistics of one capture
-then the statistics rules alone per layer kind (their GPU time on recorded shapes),
-the host time to enqueue each variant (no sync), and a torch.profiler table of one
-capture forward+backward.  Everything is printed and written under --out.
+The bench (``python -m lightning_cafin.bench``) says *how much* a capture step costs
+above a normal one (``sync.capture_above_normal_ms``) and how the host's share splits
+over the forward, backward and step (``host``); this says *where the device's share
+goes*.  For each workload of the matrix (``lightning_cafin.bench.workloads``), trained
+with AdaFisher(W) as the bench trains it (the default backend, TCov 100, capture steps
+forced with ``capture_next_step``), it
 
-    python scripts/profile_capture.py --out $OUT [--impl torch|kernels|auto]
+* times synchronised train steps, normal and capture interleaved in pairs (median of
+  the pairs' differences, the bench's ``extra_ms``);
+* profiles ``--steps`` normal and as many capture steps with ``torch.profiler``, in
+  ``--rounds`` alternating rounds, and sums each kernel's device time per step (on a
+  machine without a GPU: each CPU op's own time, a smoke run);
+* prints the kernels whose time per step a capture step changes most, the device time
+  of the package's own kernels (``lightning_cafin::``) and what the others add.
+
+    python scripts/profile_capture.py --workload gpt --out $OUT
+    python scripts/profile_capture.py --workload all --out $OUT      # every workload, in turn
+    python scripts/profile_capture.py --quick --workload resnet18   # tiny models, any machine
+
+Each workload's report is printed and written to ``<out>/profile-capture-<workload>.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
-import warnings
-from collections import defaultdict
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_cafin import AdaFisher  # noqa: E402
-from lightning_cafin.bench import extra_ms, median_ms as bench_median_ms  # noqa: E402
-from lightning_cafin.capture import factors as factors_mod  # noqa: E402
-from lightning_cafin.capture import streams as capture_streams  # noqa: E402
-from lightning_cafin.models import ResNet18  # noqa: E402
+from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
+from lightning_cafin.bench.matrix import Trainer, adafisher  # noqa: E402
+from lightning_cafin.bench.timing import sync  # noqa: E402
+
+OURS = "lightning_cafin::"  # the namespace of the package's kernels in their names
+NAME_WIDTH = 96
 
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of this script
+def event_times(trainer: Trainer, capture: bool, steps: int, device: torch.device) -> dict[str, tuple[int, float]]:
+    """``{name: (calls, microseconds)}`` over ``steps`` train steps: each kernel's device time
+    on a GPU, each op's own host time on a CPU."""
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.capture_step() if capture else trainer.step()
+        sync(device)
+    out: dict[str, tuple[int, float]] = {}
+    for evt in prof.key_averages():
+        if on_gpu:
+            if str(evt.device_type).rsplit(".", 1)[-1] != "CUDA":
+                continue  # a host op (its kernels are listed on their own)
+            us = getattr(evt, "self_device_time_total", None)
+            us = evt.self_cuda_time_total if us is None else us
+        else:
+            us = evt.self_cpu_time_total
+        if us > 0:
+            calls, total = out.get(evt.key, (0, 0.0))
+            out[evt.key] = (calls + evt.count, total + us)
+    return out
 
 
-def _sync():
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
+def accumulate(into: dict[str, list[float]], times: dict[str, tuple[int, float]], steps: int) -> None:
+    """Add one round's per-step calls and milliseconds to ``into`` ({name: [calls, ms]})."""
+    for name, (calls, us) in times.items():
+        row = into.setdefault(name, [0.0, 0.0])
+        row[0] += calls / steps
+        row[1] += us / 1e3 / steps
 
 
-def median_ms(fn, reps, warmup=3):
-    return bench_median_ms(fn, DEV, reps, warmup)
-
-
-def host_ms(fn, reps):
-    """Host time to enqueue fn (sync before, not after): > GPU time means host-bound."""
-    times = []
+def paired_extra_ms(normal: Callable[[], None], capture: Callable[[], None], device: torch.device,
+                    reps: int) -> tuple[float, float, float]:
+    """Medians of a synchronised normal step, a capture step and their paired difference."""
+    a, b, d = [], [], []
     for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    _sync()
-    return statistics.median(times)
+        pair = []
+        for fn in (normal, capture):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            pair.append((time.perf_counter() - t0) * 1e3)
+        a.append(pair[0])
+        b.append(pair[1])
+        d.append(pair[1] - pair[0])
+    return statistics.median(a), statistics.median(b), statistics.median(d)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="profile_out")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--channels-last", action="store_true")
-    ap.add_argument("--dtype", default="float32", help="autocast dtype for the forward (float32: none)")
-    ap.add_argument("--impl", default=None, choices=["auto", "kernels", "torch"],
-                    help="the optimizer's capture= option (default: the process default)")
-    args = ap.parse_args()
+def report(name: str, description: str, layers: int, device: torch.device, timing: tuple[float, float, float],
+           normal: dict[str, list[float]], capture: dict[str, list[float]], rounds: int, top: int) -> list[str]:
+    unit = "device time" if device.type == "cuda" else "host time of each op (no GPU: a smoke run)"
+    per_round = {k: {n: [c / rounds, ms / rounds] for n, (c, ms) in d.items()} for k, d in
+                 (("normal", normal), ("capture", capture))}
+    n, c = per_round["normal"], per_round["capture"]
+    total_n, total_c = sum(v[1] for v in n.values()), sum(v[1] for v in c.values())
+    ours_n = sum(v[1] for k, v in n.items() if OURS in k)
+    ours_c = sum(v[1] for k, v in c.items() if OURS in k)
+    lines = [
+        f"workload {name}: {description}; {layers} layers with factors; {device_name(device)}",
+        f"synchronised train step (median of paired steps): normal {timing[0]:.3f} ms, capture {timing[1]:.3f} ms, "
+        f"capture - normal {timing[2]:+.3f} ms",
+        f"{unit} per step: normal {total_n:.3f} ms, capture {total_c:.3f} ms ({total_c - total_n:+.3f}); "
+        f"the package's kernels: normal {ours_n:.3f} ms, capture {ours_c:.3f} ms ({ours_c - ours_n:+.3f}); "
+        f"everything else {(total_c - ours_c) - (total_n - ours_n):+.3f} ms",
+        "",
+        f"the {top} largest changes per step (capture - normal), then each side's calls per step:",
+        f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
+    ]
+    names = set(n) | set(c)
+    rows = sorted(names, key=lambda k: -abs(c.get(k, [0, 0])[1] - n.get(k, [0, 0])[1]))[:top]
+    for k in rows:
+        cc, cm = c.get(k, [0.0, 0.0])
+        nc, nm = n.get(k, [0.0, 0.0])
+        short = k if len(k) <= NAME_WIDTH else k[: NAME_WIDTH - 3] + "..."
+        lines.append(f"{cm - nm:+10.3f} {cm:11.3f} {cc:7.1f} {nm:10.3f} {nc:7.1f}  {short}")
+    return lines
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU, torch {torch.__version__}"
+
+
+def profile_workload(name: str, device: torch.device, quick: bool, steps: int, rounds: int, reps: int,
+                     top: int) -> list[str]:
+    wl = workloads(device, quick)[name]
+    trainer = adafisher(wl, device, wl.batch(device), TCov=100)
+    for _ in range(3):  # the first steps build plans, pick kernels and tune cuDNN
+        trainer.step()
+        trainer.capture_step()
+    layers = len(trainer.opt.factors())
+    timing = paired_extra_ms(trainer.step, trainer.capture_step, device, reps)
+    normal: dict[str, list[float]] = {}
+    capture: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        accumulate(normal, event_times(trainer, False, steps, device), steps)
+        accumulate(capture, event_times(trainer, True, steps, device), steps)
+    lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="all", help=f"one of {', '.join(MATRIX_WORKLOADS)}, or all (default)")
+    ap.add_argument("--out", default="profile_out", help="folder for profile-capture-<workload>.txt")
+    ap.add_argument("--steps", type=int, default=5, help="steps of each kind per profiled round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of normal and capture steps")
+    ap.add_argument("--reps", type=int, default=20, help="paired synchronised steps for the timing line")
+    ap.add_argument("--top", type=int, default=30, help="rows of the kernel table")
+    ap.add_argument("--quick", action="store_true", help="the tiny models (a smoke run on any machine)")
+    args = ap.parse_args(argv)
+    names = list(MATRIX_WORKLOADS) if args.workload == "all" else [args.workload]
+    unknown = [n for n in names if n not in MATRIX_WORKLOADS]
+    if unknown:
+        ap.error(f"--workload must be one of {', '.join(MATRIX_WORKLOADS)} or all, got {args.workload!r}")
+    for flag in ("steps", "rounds", "reps", "top"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-
-    def say(s=""):
-        print(s, flush=True)
-        lines.append(s)
-
-    if args.impl is not None:
-        say(f"capture impl: {args.impl}")
-    dev = DEV
-    torch.manual_seed(0)
-    model = ResNet18(10, 3, 64).to(dev)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    x = torch.randn(args.batch, 3, 32, 32, device=dev)
-    if args.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (args.batch,), device=dev)
-    opt = AdaFisher(model, lr=1e-3, weight_decay=5e-4, TCov=10**9, backend="foreach", capture=args.impl)
-    amp = None if args.dtype == "float32" else getattr(torch, args.dtype)
-
-    def fwd_bwd():
-        opt.zero_grad(set_to_none=False)
-        with torch.autocast(DEV.type, dtype=amp, enabled=amp is not None):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-
-    def capturing():
-        opt.capture_next_step()
-        fwd_bwd()
-        opt.capture_next_step(False)
-        capture_streams.join()  # as the step does: wait for the side-stream statistics
-        opt.binding.discard_pending()
-        capture_streams.release()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            fwd_bwd()
-            opt.step()
-    caps = list(opt.binding.captures.values())
-
-    # record the shapes each rule sees
-    seen = {}
-    rules = {}
-    for cap in caps:
-        rule = cap.rule
-        if id(rule) in rules:
-            continue
-        rules[id(rule)] = rule
-    originals = {rid: (r.input_partial, r.output_partial) for rid, r in rules.items()}
-
-    def recording(rule, which, fn):
-        def wrapped(module, t):
-            res = fn(module, t)
-            seen.setdefault((id(module), which), (rule, module, t.detach().clone()))
-            return res
-        return wrapped
-
-    for rid, r in rules.items():
-        ip, op = originals[rid]
-        r.input_partial = recording(r, "in", ip)
-        r.output_partial = recording(r, "out", op)
-    capturing()
-    for rid, r in rules.items():
-        del r.input_partial, r.output_partial  # back to the class methods
-
-    plain = median_ms(fwd_bwd, args.reps)
-    capt = median_ms(capturing, args.reps)
-    # hooks only: rules return cached results
-    cache = {}
-    for (mid, which), (rule, module, t) in seen.items():
-        cache[(mid, which)] = (rule.input_partial if which == "in" else rule.output_partial)(module, t)
-    for rid, r in rules.items():
-        r.input_partial = lambda module, t, _w="in": cache[(id(module), _w)]
-        r.output_partial = lambda module, t, _w="out": cache[(id(module), _w)]
-    hooks_only = median_ms(capturing, args.reps)
-    host_hooks = host_ms(capturing, args.reps)
-    for rid, r in rules.items():
-        del r.input_partial, r.output_partial
-    host_plain = host_ms(fwd_bwd, args.reps)
-    host_capt = host_ms(capturing, args.reps)
-    was = capture_streams.set_enabled(False)
-    capt_cur = median_ms(capturing, args.reps)
-    host_capt_cur = host_ms(capturing, args.reps)
-    capture_streams.set_enabled(was)
-
-    def one_capture_update():
-        opt.capture_next_step()
-        fwd_bwd()
-        opt.capture_next_step(False)
-        factors_mod.update_factors(caps, 0.8, None)
-
-    with_factors = median_ms(one_capture_update, args.reps)
-    host_factors = host_ms(lambda: factors_mod.update_factors(caps, 0.8, None), 5)
-
-    say(f"batch {args.batch}, channels_last {args.channels_last}, autocast {args.dtype}, {len(caps)} captured layers")
-    say(f"plain fwd+bwd            {plain:8.3f} ms  (host enqueue {host_plain:.3f} ms)")
-    say(f"capture fwd+bwd          {capt:8.3f} ms  (+{capt - plain:.3f})  host enqueue {host_capt:.3f} ms")
-    say(f"capture, no side stream  {capt_cur:8.3f} ms  (+{capt_cur - plain:.3f})  host enqueue {host_capt_cur:.3f} ms")
-    say(f"hooks only (no rules)    {hooks_only:8.3f} ms  (+{hooks_only - plain:.3f})  host enqueue {host_hooks:.3f} ms")
-    say(f"capture + update_factors {with_factors:8.3f} ms  (+{with_factors - capt:.3f} over capture)")
-
-    # the medians above are taken one after another and drift; these are interleaved pairs
-    def with_side(on):
-        def run():
-            was = capture_streams.set_enabled(on)
-            try:
-                capturing()
-            finally:
-                capture_streams.set_enabled(was)
-        return run
-
-    reps2 = 2 * args.reps
-    say("paired (median of interleaved pairs, the bench's capture_ms method):")
-    say(f"  capture - plain, side stream      {extra_ms(fwd_bwd, with_side(True), DEV, reps2):+8.3f} ms")
-    say(f"  capture - plain, current stream   {extra_ms(fwd_bwd, with_side(False), DEV, reps2):+8.3f} ms")
-    say(f"  side stream - current stream      {extra_ms(with_side(False), with_side(True), DEV, reps2):+8.3f} ms")
-    say()
-
-    # rules alone, per kind, GPU time
-    per_kind = defaultdict(float)
-    per_layer = []
-    for (mid, which), (rule, module, t) in seen.items():
-        fn = rule.input_partial if which == "in" else rule.output_partial
-        ms = median_ms(lambda: fn(module, t), 20)
-        hms = host_ms(lambda: fn(module, t), 20)
-        per_kind[(rule.kind, which)] += ms
-        per_layer.append((ms, hms, rule.kind, which, tuple(t.shape), t.dtype, t.is_contiguous()))
-    say("rule GPU time summed per kind (each call alone, synced):")
-    for (kind, which), ms in sorted(per_kind.items(), key=lambda kv: -kv[1]):
-        say(f"  {kind:12s} {which:4s} {ms:8.3f} ms")
-    say(f"  total        {sum(per_kind.values()):8.3f} ms")
-    say("slowest single calls (gpu ms, host ms, kind, side, shape, dtype, contiguous):")
-    for row in sorted(per_layer, reverse=True)[:12]:
-        say(f"  {row[0]:7.3f} {row[1]:7.3f}  {row[2]:12s} {row[3]:4s} {row[4]} {row[5]} {row[6]}")
-    say()
-
-    from torch.profiler import ProfilerActivity, profile
-
-    ACTS = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])
-    sort = "cuda_time_total" if DEV.type == "cuda" else "cpu_time_total"
-
-    with profile(activities=ACTS) as prof:
-        for _ in range(3):
-            capturing()
-        _sync()
-    table = prof.key_averages().table(sort_by=sort, row_limit=35)
-    say("torch.profiler, 3 capture fwd+bwd, by CUDA time:")
-    say(table)
-    with profile(activities=ACTS) as prof2:
-        for _ in range(3):
-            fwd_bwd()
-        _sync()
-    say("torch.profiler, 3 plain fwd+bwd, by CUDA time:")
-    say(prof2.key_averages().table(sort_by=sort, row_limit=20))
-    (out / "profile_capture.txt").write_text("\n".join(lines))
+    for name in names:
+        print(f"profiling {name} ...", flush=True)
+        lines = profile_workload(name, device, args.quick, args.steps, args.rounds, args.reps, args.top)
+        text = "\n".join(lines) + "\n"
+        (out / f"profile-capture-{name}.txt").write_text(text)
+        print(text, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,10 +25,10 @@ def run_tool(module: str, *args: str) -> subprocess.CompletedProcess:
 
 #: what ruff checks: the package and the code that exercises it (a lint error in a test
 #: hides a test that no longer tests anything, such as a loop variable a closure misses)
-LINTED = ("lightning_cafin", "tests", "benchmarks", "examples")
+LINTED = ("lightning_cafin", "tests", "benchmarks", "examples", "scripts")
 
 
-def test_ruff_finds_nothing_in_the_package_tests_benchmarks_and_examples():
+def test_ruff_finds_nothing_in_the_package_tests_benchmarks_examples_and_scripts():
     out = run_tool("ruff", "check", *LINTED)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -1,0 +1,47 @@
+"""``scripts/profile_capture.py``: a smoke run on the tiny workloads (the CPU stands in for
+the GPU: each op's host time instead of each kernel's device time) and its argument errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_capture.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("profile_capture", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
+    script = load()
+    argv = ["--quick", "--workload", "resnet18", "--steps", "1", "--rounds", "1", "--reps", "2", "--top", "6",
+            "--out", str(tmp_path)]
+    assert script.main(argv) == 0
+    text = (tmp_path / "profile-capture-resnet18.txt").read_text()
+    assert "workload resnet18: CIFAR ResNet-18 (width 8) b4, fp32; 41 layers with factors" in text
+    assert re.search(r"capture - normal [+-]\d+\.\d{3} ms", text)
+    rows = text.split("name\n", 1)[1].strip().splitlines()
+    assert len(rows) == 6
+    changes = [abs(float(r.split()[0])) for r in rows]
+    assert changes == sorted(changes, reverse=True)  # largest change first
+    # the capture step's statistics are ops a normal step does not run at all
+    assert any(float(r.split()[3]) == 0.0 and float(r.split()[1]) > 0 for r in rows), rows
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "vgg"], "--workload must be one of resnet18, resnet18-bf16cl, resnet50, gpt or all, got 'vgg'"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_bad_arguments_name_the_flag_and_what_it_takes(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load().main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
