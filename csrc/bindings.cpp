@@ -74,9 +74,13 @@ once, x and grad marked as read there (join before reading the results).  CPU te
 (input_op, input_div, grad_dim, grad_square, grad_div) with the counts hn, sn added with the
 sums.  Made once per layer and shapes; each tap is then one call of three arguments.)doc")
       .def(py::init<std::shared_ptr<lightning_cafin::TapSink>, std::vector<int64_t>, double, int64_t, bool, double,
-                    double, double>(),
+                    double, double, double>(),
            py::arg("sink"), py::arg("input_op"), py::arg("input_div"), py::arg("grad_dim"), py::arg("grad_square"),
-           py::arg("grad_div"), py::arg("hn"), py::arg("sn"))
+           py::arg("grad_div"), py::arg("hn"), py::arg("sn"), py::arg("mean_scale") = 0.0)
+      .def_property_readonly(
+          "norm_taps", [](const lightning_cafin::TapPlan& self) { return self.norm_taps.load(); },
+          "Taps registered on a batch norm's backward node (mean_scale > 0): statistics from its saved batch "
+          "mean and its bias gradient, no pass over the activation or the gradient.")
       .def("tap",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
               bool side) { lightning_cafin::tap(self, x, output, side); },
@@ -84,7 +88,9 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
 that value arrives, calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square,
 grad_div, side), adds (h, hn, s, sn) to the sink and lets go of x (held detached until
 then); a second backward through a retained graph adds nothing.  CPU tensors take
-layer_stats' ATen reference.)doc",
+layer_stats' ATen reference.  A batch norm's plan (mean_scale > 0) on a training batch
+norm's output whose bias needs a gradient registers instead a post hook on its backward
+node: h = its saved batch mean * mean_scale, s = its bias gradient.)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false)
       .def("tap_gradient",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& output, const at::Tensor& h, double hn,

@@ -3,6 +3,10 @@
 
 #include "capture_ops.h"
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/generated/Functions.h>
+
 #include <utility>
 
 namespace lightning_cafin {
@@ -22,6 +26,57 @@ struct GradientTap {
   double hn;
   bool side, fired = false;
 };
+
+// The batch mean a training-mode batch norm saved for its backward, where `node` is such a
+// norm's backward node (the native, cuDNN, MIOpen and with-update ops); undefined elsewhere.
+// (NodePtr: what Tensor::grad_fn returns, std::shared_ptr or c10::intrusive_ptr by torch version.)
+template <typename NodePtr>
+at::Tensor saved_batch_mean(const NodePtr& node) {
+  namespace gen = torch::autograd::generated;
+  torch::autograd::Node* n = node.get();
+  if (auto* f = dynamic_cast<gen::NativeBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
+  if (auto* f = dynamic_cast<gen::CudnnBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
+  if (auto* f = dynamic_cast<gen::MiopenBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
+  if (auto* f = dynamic_cast<gen::BatchNormWithUpdateBackward0*>(n)) return f->result1_.unpack(node);
+  return {};
+}
+
+// The post hook of one batch norm call's backward node (see capture_tap.h): its grad_inputs
+// are the gradients of (input, weight, bias).
+struct NormTap final : torch::autograd::FunctionPostHook {
+  std::shared_ptr<const TapPlan> plan;
+  at::Tensor mean;  // released when the hook fires
+
+  NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m) : plan(std::move(p)), mean(std::move(m)) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grad_inputs,
+                                            const torch::autograd::variable_list& /*grad_outputs*/) override {
+    // no bias gradient in this backward (autograd.grad for other inputs): wait for one that has it;
+    // a second backward through a retained graph finds the mean gone and adds nothing
+    if (!mean.defined() || grad_inputs.size() < 3 || !grad_inputs[2].defined()) return grad_inputs;
+    const at::Tensor m = std::move(mean);
+    mean = at::Tensor();
+    const TapPlan& p = *plan;
+    at::Tensor h = m.to(at::kFloat).mul(p.mean_scale);
+    at::Tensor s = grad_inputs[2].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // not bias.grad itself
+    p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
+    return grad_inputs;
+  }
+};
+
+// Register a NormTap where `output` is a training batch norm's output with a bias that
+// needs its gradient; false (nothing registered) elsewhere.
+bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output) {
+  const auto node = output.grad_fn();
+  if (node == nullptr || output.output_nr() != 0 || node->num_outputs() < 3 || !node->next_edge(2).is_valid()) {
+    return false;
+  }
+  at::Tensor mean = saved_batch_mean(node);
+  if (!mean.defined() || mean.dim() != 1 || output.dim() < 2 || mean.size(0) != output.size(1)) return false;
+  node->add_post_hook(std::make_unique<NormTap>(plan, std::move(mean)));
+  plan->norm_taps.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
 
 void check_tap_args(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const char* op) {
   TORCH_CHECK(plan != nullptr, op, "plan must be a TapPlan, got None");
@@ -49,7 +104,7 @@ int64_t TapSink::size() const {
 }
 
 TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_, double input_div_, int64_t grad_dim_,
-                 bool grad_square_, double grad_div_, double hn_, double sn_)
+                 bool grad_square_, double grad_div_, double hn_, double sn_, double mean_scale_)
     : sink(std::move(sink_)),
       input_op(std::move(input_op_)),
       input_div(input_div_),
@@ -57,13 +112,16 @@ TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_,
       hn(hn_),
       sn(sn_),
       grad_dim(grad_dim_),
-      grad_square(grad_square_) {
+      grad_square(grad_square_),
+      mean_scale(mean_scale_) {
   TORCH_CHECK(sink != nullptr, "TapPlan: sink must be a TapSink, got None");
+  TORCH_CHECK(mean_scale >= 0.0, "TapPlan: mean_scale must be >= 0 (0: not a batch norm), got ", mean_scale);
 }
 
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
   check_tap_args(plan, output, kTap);
   TORCH_CHECK(x.defined(), kTap, "x must be a tensor");
+  if (plan->mean_scale > 0.0 && tap_norm(plan, output)) return;
   auto held = std::make_shared<Tap>(Tap{plan, x.detach()});
   output.register_hook([held, side](const at::TensorBase& grad_base) {
     if (!held->x.defined()) return;  // a second backward through a retained graph: x is gone

@@ -14,10 +14,23 @@
 // only until the hook fires (autograd keeps x for the weight's gradient anyway); a second
 // backward through a retained graph finds x gone and adds nothing.  An error in
 // layer_stats is raised by the backward call.
+//
+// A training-mode batch norm (a plan with mean_scale > 0) needs neither pass over its
+// activation and gradient: its statistics are a per-channel sum of the input and a
+// per-channel sum of the output gradient, and autograd computes both anyway.  The op
+// saved the batch mean for its backward (the input's sum is mean * count), and its
+// backward node returns the bias gradient (the output gradient's sum over every dim but
+// the channel's).  So tap() registers a post hook on the norm's backward node instead:
+// h = mean * mean_scale, s = the node's bias gradient (copied: autograd may keep the
+// gradient tensor as bias.grad), both per channel.  That hook belongs to this one call of
+// the norm (a node per forward), so two forwards before one backward add two pairs, as the
+// tensor hooks do.  Where the output is not such a node's (SyncBatchNorm, GroupNorm, a
+// norm whose bias is frozen or absent), tap() registers the ordinary tap.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -53,9 +66,13 @@ struct TapPlan {
   double input_div, grad_div, hn, sn;
   int64_t grad_dim;
   bool grad_square;
+  // > 0: a batch norm's plan, h = its saved batch mean * mean_scale (see above); 0: none
+  double mean_scale;
+  // taps registered on a batch norm's backward node (for tests and diagnostics)
+  mutable std::atomic<int64_t> norm_taps{0};
 
   TapPlan(std::shared_ptr<TapSink> sink, std::vector<int64_t> input_op, double input_div, int64_t grad_dim,
-          bool grad_square, double grad_div, double hn, double sn);
+          bool grad_square, double grad_div, double hn, double sn, double mean_scale = 0.0);
 };
 
 // `x` is held (detached) until the hook fires.

@@ -579,12 +579,53 @@ def test_first_capture_of_a_real_network_equals_the_torch_path(ext, impl):
         close(results["kernels"][n][1], results["torch"][n][1], 1e-5)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
+def test_batch_norm_taps_give_the_python_hooks_sums(ext, impl, precision):
+    """A batch norm's tap takes h from the norm's saved batch mean and s from its bias
+    gradient (cuDNN's or the native backward's): the pending sums of two micro-batches are
+    those the Python hooks read from the activation and the gradient."""
+    from lightning_cafin import AdaFisher
+    from lightning_cafin.capture import taps
+    from lightning_cafin.models import ResNet18
+
+    impl("kernels")
+    torch.manual_seed(0)
+    base = ResNet18(10, 3, 8).to(DEV)
+    data = [(torch.randn(6, 3, 16, 16, device=DEV), torch.randint(0, 10, (6,), device=DEV)) for _ in range(2)]
+    if precision != "fp32":
+        base = base.to(memory_format=torch.channels_last)
+        data = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in data]
+    sums = {}
+    before = taps.set_enabled(False)
+    try:
+        for tapped in (False, True):
+            taps.set_enabled(tapped)
+            model = copy.deepcopy(base)
+            opt = AdaFisher(model, lr=1e-3, TCov=100, backend="fused")
+            for x, y in data:
+                with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            norms = {n: c for n, c in opt.binding.captures.items() if isinstance(c.module, nn.BatchNorm2d)}
+            sums[tapped] = {n: (c.pending.calls, c.pending.h.clone(), c.pending.s.clone()) for n, c in norms.items()}
+            if tapped:
+                assert all(sum(p.norm_taps for p in c.tap_plans.values()) == 2 for c in norms.values())
+    finally:
+        taps.set_enabled(before)
+    assert len(sums[True]) == 20
+    for n, (calls, h, s) in sums[False].items():
+        assert sums[True][n][0] == calls == 2, n
+        close(sums[True][n][1], h, 1e-5)
+        close(sums[True][n][2], s, 1e-5)
+
+
 @pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
 def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side):
     """The C++ gradient taps (``capture/taps.py``) on a ResNet: every layer tapped, and the
     first capture's factors those of the Python hooks, which make the same
-    ``layer_stats`` calls (to 1e-6: cuDNN's backward need not be bitwise reproducible)."""
+    ``layer_stats`` calls (to 1e-6: cuDNN's backward need not be bitwise reproducible), except
+    for the batch norms, whose taps take the norm's saved mean and bias gradient instead."""
     from lightning_cafin import AdaFisher
     from lightning_cafin.capture import streams, taps
     from lightning_cafin.models import ResNet18
@@ -610,6 +651,10 @@ def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side)
             # (under bf16 autocast the stem convolution computes on a cast copy of the float32
             # image: its input's statistics are read in the forward, its tap takes the gradient's)
             assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == (41 if tapped else 0)
+            # every batch norm's tap took its saved mean and bias gradient (cuDNN's backward node included)
+            norms = [c for c in caps.values() if isinstance(c.module, nn.BatchNorm2d)]
+            assert len(norms) == 20
+            assert [sum(p.norm_taps for p in c.tap_plans.values()) for c in norms] == [int(tapped)] * 20
             opt.step()
             assert opt.health["capture_steps"] == 1 and opt.health["non_finite_statistics"] == 0
             results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in caps.items()}

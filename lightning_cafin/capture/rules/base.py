@@ -101,6 +101,10 @@ class FusedStats:
     ``channel_stats(grad, grad_dim, grad_square, grad_div)``.  ``hn`` / ``sn`` are the counts
     :meth:`LayerRule.input_partial` / :meth:`LayerRule.output_partial` return with the sums.
     A description depends only on the module and the two shapes, so the hooks cache it.
+
+    ``mean_scale`` (a batch norm's, else 0): the input's sums are the batch mean the norm
+    saved times ``mean_scale``, and the gradient's its bias gradient, so a C++ tap takes
+    both from autograd without reading either tensor (``csrc/capture_tap.h``).
     """
 
     input_op: tuple[int, ...]
@@ -110,6 +114,7 @@ class FusedStats:
     grad_div: float
     hn: float
     sn: float
+    mean_scale: float = 0.0
 
     def run(self, ext: ModuleType, x: Tensor, grad: Tensor, side: bool) -> tuple[Tensor, Tensor]:
         """``(h, s)`` from the extension's one call (``side``: on the capture side stream)."""
@@ -122,7 +127,7 @@ class FusedStats:
         arrives, this ``layer_stats`` call runs and ``(h, hn, s, sn)`` goes to ``sink``) and
         ``tap_gradient(output, h, hn, side)`` one computing the gradient's sums only."""
         return ext.TapPlan(sink, self.input_op, self.input_div, self.grad_dim, self.grad_square, self.grad_div,
-                           self.hn, self.sn)
+                           self.hn, self.sn, self.mean_scale)
 
 
 def channel_op(dim: int, square: bool) -> tuple[int, int, int]:

@@ -14,7 +14,9 @@ Two families, each the direct generalisation of one of the paper's norms
   ``H`` entries are computed (so the normalisation is the same), its weight reads the first.
 
 On CUDA every reduction here is the extension's ``channel_stats`` kernel (any rank, any
-channel dim, strided views included); elsewhere the torch ops.
+channel dim, strided views included); elsewhere the torch ops.  A batch norm's C++ tap
+needs neither reduction (``FusedStats.mean_scale``): autograd has both sums already, the
+input's as the batch mean the norm saved, the gradient's as its bias gradient.
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ class ChannelNormRule(_TwoColumnRule):
         sp = math.prod(x_shape[2:])
         if len(x_shape) < 2 or len(grad_shape) < 2 or sp <= 0:
             return None
-        return FusedStats(channel_op(1, False), float(sp**2), 1, False, 0.0, float(x_shape[0]), float(grad_shape[0]))
+        # a batch norm's per-channel input sum over (batch, spatial) is its batch mean * B * sp,
+        # here divided by sp**2 (GroupNorm's saved means are per group: none)
+        mean_scale = x_shape[0] / sp if self.kind == "batchnorm" else 0.0
+        return FusedStats(channel_op(1, False), float(sp**2), 1, False, 0.0, float(x_shape[0]), float(grad_shape[0]),
+                          float(mean_scale))
 
     def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         sv = channel_sums(s, 1, False)

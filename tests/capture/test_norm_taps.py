@@ -1,0 +1,193 @@
+"""A training batch norm's C++ tap reads no tensor: the input's sums from the batch mean the
+norm saved, the gradient's from its bias gradient (``csrc/capture_tap.h``).
+
+Against the Python hooks (which read the activation and the gradient) on the CPU, with the
+extension's real ``TapPlan``: the same factors for every batch norm shape and layout, over
+micro-batches, two forwards before one backward, a retained graph and a backward that does
+not reach the bias; and the ordinary tap where the shortcut does not apply.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.capture import taps
+
+from .test_gradient_taps import ext, on_cpu, tap_setting  # noqa: F401  (fixtures)
+
+
+class Norms(nn.Module):
+    """BatchNorm1d on (B, C) and (B, C, L), BatchNorm2d (channels_last when asked), BatchNorm3d, GroupNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.bn3 = nn.BatchNorm3d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.bn1_seq = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 6)
+        self.bn1 = nn.BatchNorm1d(6)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn2(self.conv(x)))  # (B, 4, 6, 6); the in-place-free ReLU keeps the output
+        y = self.bn3(y.unsqueeze(2).expand(-1, -1, 2, -1, -1).contiguous()).mean(2)  # 3-D batch norm
+        y = self.gn(y).mean(3)  # (B, 4, 6)
+        y = self.bn1_seq(y).mean(2)  # (B, 4)
+        return self.head(torch.relu_(self.bn1(self.fc(y))))  # an in-place ReLU after the norm
+
+
+BATCH_NORMS = ("bn2", "bn3", "bn1_seq", "bn1")
+
+
+def batches(n, channels_last=False):
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        x = torch.randn(4, 3, 6, 6, generator=gen)
+        out.append((x.contiguous(memory_format=torch.channels_last) if channels_last else x,
+                    torch.randint(0, 5, (4,), generator=gen)))
+    return out
+
+
+def train(model, taps_on, steps=3, micro_batches=1, channels_last=False):
+    taps.set_enabled(taps_on)
+    opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    data = iter(batches(steps * micro_batches, channels_last))
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(micro_batches):
+            x, y = next(data)
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return opt
+
+
+def norm_taps(opt, name):
+    return sum(plan.norm_taps for plan in opt.binding.captures[name].tap_plans.values() if plan is not None)
+
+
+def assert_same_factors(got, want):
+    assert sorted(got.factors()) == sorted(want.factors())
+    for name, f in want.factors().items():
+        g = got.factors()[name]
+        torch.testing.assert_close(g.H, f.H, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(g.S, f.S, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def pending_sums(opt, model, data):
+    """Every batch norm's pending (calls, h, s) after one more capture step's forwards and backwards."""
+    opt.capture_next_step()
+    opt.zero_grad()
+    for x, y in data:
+        nn.functional.cross_entropy(model(x), y).backward()
+    return {n: (p.calls, p.h.clone(), p.s.clone()) for n in BATCH_NORMS for p in [opt.binding.captures[n].pending]}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batch_norms_take_the_saved_mean_and_the_bias_gradient(on_cpu, micro_batches, channels_last):  # noqa: F811
+    torch.manual_seed(0)
+    model = Norms().to(memory_format=torch.channels_last) if channels_last else Norms()
+    ref = train(copy.deepcopy(model), False, micro_batches=micro_batches, channels_last=channels_last)
+    got = train(model, True, micro_batches=micro_batches, channels_last=channels_last)
+    for name in BATCH_NORMS:
+        assert norm_taps(got, name) == 3 * micro_batches, name
+    assert norm_taps(got, "gn") == 0 and got.binding.captures["gn"].sink is not None  # GroupNorm: the ordinary tap
+    assert_same_factors(got, ref)  # (a norm's two-entry H, min-max normalised, hardly depends on h's scale: below)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batch_norms_sums_equal_the_python_hooks(on_cpu, micro_batches, channels_last):  # noqa: F811
+    torch.manual_seed(0)
+    model = Norms().to(memory_format=torch.channels_last) if channels_last else Norms()
+    data = batches(micro_batches, channels_last)
+    sums = {}
+    for taps_on in (False, True):
+        taps.set_enabled(taps_on)
+        m = copy.deepcopy(model)
+        sums[taps_on] = pending_sums(AdaFisher(m, TCov=1, backend="foreach"), m, data)
+    for name, (calls, h, s) in sums[False].items():
+        assert sums[True][name][0] == calls == micro_batches, name
+        torch.testing.assert_close(sums[True][name][1], h, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(sums[True][name][2], s, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_two_forwards_before_one_backward_add_two_pairs(on_cpu):  # noqa: F811
+    """A siamese step: each call of the norm has its own backward node, so its own tap."""
+    torch.manual_seed(0)
+    model = Norms()
+    results = []
+    for taps_on in (False, True):
+        taps.set_enabled(taps_on)
+        m = copy.deepcopy(model)
+        opt = AdaFisher(m, TCov=1, backend="foreach")
+        (a, y), (b, _) = batches(2)
+        loss = nn.functional.cross_entropy(m(a), y) + nn.functional.cross_entropy(m(b), y)
+        loss.backward()
+        pending = opt.binding.captures["bn2"].pending
+        results.append((pending.calls, pending.h.clone(), pending.s.clone()))
+        opt.step()
+    (calls_ref, h_ref, s_ref), (calls, h, s) = results
+    assert calls == calls_ref == 2
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_retained_graph_adds_nothing_and_the_sums_are_not_the_bias_gradient(on_cpu):  # noqa: F811
+    torch.manual_seed(0)
+    model = Norms()
+    taps.set_enabled(True)
+    opt = AdaFisher(model, TCov=1, backend="foreach")
+    (x, y), = batches(1)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    pending = opt.binding.captures["bn2"].pending
+    assert pending.calls == 1 and norm_taps(opt, "bn2") == 1
+    s = pending.s.clone()
+    # two backwards of one graph: the bias gradient is twice the first's, the statistics the first's
+    torch.testing.assert_close(2 * s, model.bn2.bias.grad, rtol=1e-5, atol=1e-7)
+    assert pending.s.data_ptr() != model.bn2.bias.grad.data_ptr()
+    model.bn2.bias.grad.mul_(0.5)  # what gradient clipping does, in place
+    assert torch.equal(pending.s, s)
+
+
+def test_a_backward_that_does_not_reach_the_bias_waits_for_one_that_does(on_cpu):  # noqa: F811
+    """``autograd.grad`` for the input alone computes no bias gradient: the tap keeps waiting,
+    and the loss's backward then gives the same statistics as the Python hooks."""
+    torch.manual_seed(0)
+    model = Norms()
+    results = []
+    for taps_on in (False, True):
+        taps.set_enabled(taps_on)
+        m = copy.deepcopy(model)
+        opt = AdaFisher(m, TCov=1, backend="foreach")
+        (x, y), = batches(1)
+        x.requires_grad_(True)
+        loss = nn.functional.cross_entropy(m(x), y)
+        torch.autograd.grad(loss, x, retain_graph=True)
+        loss.backward()
+        pending = opt.binding.captures["bn2"].pending
+        results.append((pending.calls, pending.h.clone(), pending.s.clone()))
+    (calls_ref, h_ref, s_ref), (calls, h, s) = results
+    assert calls == calls_ref == 1
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_bias_takes_the_ordinary_tap(on_cpu):  # noqa: F811
+    torch.manual_seed(0)
+    model = Norms()
+    model.bn2.bias.requires_grad_(False)
+    ref = train(copy.deepcopy(model), False)
+    got = train(model, True)
+    assert norm_taps(got, "bn2") == 0 and norm_taps(got, "bn3") == 3
+    assert_same_factors(got, ref)
