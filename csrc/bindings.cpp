@@ -79,8 +79,8 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
            py::arg("grad_div"), py::arg("hn"), py::arg("sn"), py::arg("mean_scale") = 0.0)
       .def_property_readonly(
           "norm_taps", [](const lightning_cafin::TapPlan& self) { return self.norm_taps.load(); },
-          "Taps registered on a batch norm's backward node (mean_scale > 0): statistics from its saved batch "
-          "mean and its bias gradient, no pass over the activation or the gradient.")
+          "Taps registered on a norm's backward node (mean_scale > 0): statistics from its saved means and "
+          "its bias gradient, no pass over the activation or the gradient.")
       .def("tap",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
               bool side) { lightning_cafin::tap(self, x, output, side); },
@@ -88,9 +88,9 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
 that value arrives, calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square,
 grad_div, side), adds (h, hn, s, sn) to the sink and lets go of x (held detached until
 then); a second backward through a retained graph adds nothing.  CPU tensors take
-layer_stats' ATen reference.  A batch norm's plan (mean_scale > 0) on a training batch
-norm's output whose bias needs a gradient registers instead a post hook on its backward
-node: h = its saved batch mean * mean_scale, s = its bias gradient.)doc",
+layer_stats' ATen reference.  A norm's plan (mean_scale > 0) on a training batch norm's
+or a layer norm's output whose bias needs a gradient registers instead a post hook on its
+backward node: h from its saved means * mean_scale, s = its bias gradient.)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false)
       .def("tap_gradient",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& output, const at::Tensor& h, double hn,

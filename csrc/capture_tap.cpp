@@ -27,53 +27,68 @@ struct GradientTap {
   bool side, fired = false;
 };
 
-// The batch mean a training-mode batch norm saved for its backward, where `node` is such a
-// norm's backward node (the native, cuDNN, MIOpen and with-update ops); undefined elsewhere.
+// The means a norm saved for its backward, where `node` is the backward node of a
+// training-mode batch norm (native, cuDNN, MIOpen, with-update: per channel, 1-D) or of a
+// layer norm (per row: the input's shape with the normalised dims 1); undefined elsewhere.
 // (NodePtr: what Tensor::grad_fn returns, std::shared_ptr or c10::intrusive_ptr by torch version.)
 template <typename NodePtr>
-at::Tensor saved_batch_mean(const NodePtr& node) {
+at::Tensor saved_means(const NodePtr& node) {
   namespace gen = torch::autograd::generated;
   torch::autograd::Node* n = node.get();
   if (auto* f = dynamic_cast<gen::NativeBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
   if (auto* f = dynamic_cast<gen::CudnnBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
   if (auto* f = dynamic_cast<gen::MiopenBatchNormBackward0*>(n)) return f->training ? f->result1_.unpack(node) : at::Tensor();
   if (auto* f = dynamic_cast<gen::BatchNormWithUpdateBackward0*>(n)) return f->result1_.unpack(node);
+  if (auto* f = dynamic_cast<gen::NativeLayerNormBackward0*>(n)) return f->result1_.unpack(node);
   return {};
 }
 
-// The post hook of one batch norm call's backward node (see capture_tap.h): its grad_inputs
-// are the gradients of (input, weight, bias).
+// The post hook of one norm call's backward node (see capture_tap.h): its grad_inputs are
+// the gradients of (input, weight, bias).
 struct NormTap final : torch::autograd::FunctionPostHook {
   std::shared_ptr<const TapPlan> plan;
-  at::Tensor mean;  // released when the hook fires
+  at::Tensor means;  // released when the hook fires
 
-  NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m) : plan(std::move(p)), mean(std::move(m)) {}
+  NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m) : plan(std::move(p)), means(std::move(m)) {}
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grad_inputs,
                                             const torch::autograd::variable_list& /*grad_outputs*/) override {
     // no bias gradient in this backward (autograd.grad for other inputs): wait for one that has it;
-    // a second backward through a retained graph finds the mean gone and adds nothing
-    if (!mean.defined() || grad_inputs.size() < 3 || !grad_inputs[2].defined()) return grad_inputs;
-    const at::Tensor m = std::move(mean);
-    mean = at::Tensor();
+    // a second backward through a retained graph finds the means gone and adds nothing
+    if (!means.defined() || grad_inputs.size() < 3 || !grad_inputs[2].defined()) return grad_inputs;
+    const at::Tensor m = std::move(means);
+    means = at::Tensor();
     const TapPlan& p = *plan;
-    at::Tensor h = m.to(at::kFloat).mul(p.mean_scale);
+    at::Tensor h;
+    if (m.dim() == 1) {  // a batch norm's per-channel means
+      h = m.to(at::kFloat).mul(p.mean_scale);
+    } else {  // a layer norm's per-row means, summed over every dim but dim 1
+      std::vector<int64_t> dims;
+      for (int64_t d = 0; d < m.dim(); ++d) {
+        if (d != 1) dims.push_back(d);
+      }
+      h = m.sum(dims, /*keepdim=*/false, at::kFloat).mul_(p.mean_scale);
+    }
     at::Tensor s = grad_inputs[2].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // not bias.grad itself
     p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
     return grad_inputs;
   }
 };
 
-// Register a NormTap where `output` is a training batch norm's output with a bias that
-// needs its gradient; false (nothing registered) elsewhere.
+// Register a NormTap where `output` is a training batch norm's or a layer norm's output with
+// a bias that needs its gradient; false (nothing registered) elsewhere.
 bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output) {
   const auto node = output.grad_fn();
-  if (node == nullptr || output.output_nr() != 0 || node->num_outputs() < 3 || !node->next_edge(2).is_valid()) {
+  if (node == nullptr || output.output_nr() != 0 || node->num_outputs() < 3 || !node->next_edge(2).is_valid() ||
+      output.dim() < 2) {
     return false;
   }
-  at::Tensor mean = saved_batch_mean(node);
-  if (!mean.defined() || mean.dim() != 1 || output.dim() < 2 || mean.size(0) != output.size(1)) return false;
-  node->add_post_hook(std::make_unique<NormTap>(plan, std::move(mean)));
+  at::Tensor means = saved_means(node);
+  if (!means.defined()) return false;
+  const bool per_channel = means.dim() == 1 && means.size(0) == output.size(1);
+  const bool per_row = means.dim() == output.dim() && means.dim() >= 3 && means.size(1) == output.size(1);
+  if (!per_channel && !per_row) return false;
+  node->add_post_hook(std::make_unique<NormTap>(plan, std::move(means)));
   plan->norm_taps.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

@@ -15,17 +15,18 @@
 // backward through a retained graph finds x gone and adds nothing.  An error in
 // layer_stats is raised by the backward call.
 //
-// A training-mode batch norm (a plan with mean_scale > 0) needs neither pass over its
-// activation and gradient: its statistics are a per-channel sum of the input and a
-// per-channel sum of the output gradient, and autograd computes both anyway.  The op
-// saved the batch mean for its backward (the input's sum is mean * count), and its
-// backward node returns the bias gradient (the output gradient's sum over every dim but
-// the channel's).  So tap() registers a post hook on the norm's backward node instead:
-// h = mean * mean_scale, s = the node's bias gradient (copied: autograd may keep the
-// gradient tensor as bias.grad), both per channel.  That hook belongs to this one call of
-// the norm (a node per forward), so two forwards before one backward add two pairs, as the
-// tensor hooks do.  Where the output is not such a node's (SyncBatchNorm, GroupNorm, a
-// norm whose bias is frozen or absent), tap() registers the ordinary tap.
+// A training-mode batch norm, or a layer norm over the last dim of an input of 3 or more
+// dims (a plan with mean_scale > 0), needs neither pass over its activation and gradient:
+// its statistics are sums of the input (per channel; per dim-1 index for a layer norm) and
+// the output gradient's sums over every dim but the bias's, and autograd has both anyway.
+// The op saved its means for its backward (per channel, or per row of the normalised
+// dim), and its backward node returns the bias gradient.  So tap() registers a post hook
+// on the norm's backward node instead: h = the means (a layer norm's summed over every dim
+// but dim 1) * mean_scale, s = the node's bias gradient (copied: autograd may keep the
+// gradient tensor as bias.grad).  That hook belongs to this one call of the norm (a node
+// per forward), so two forwards before one backward add two pairs, as the tensor hooks do.
+// Where the output is not such a node's (SyncBatchNorm, GroupNorm, RMSNorm, a norm whose
+// bias is frozen or absent), tap() registers the ordinary tap.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -66,9 +67,9 @@ struct TapPlan {
   double input_div, grad_div, hn, sn;
   int64_t grad_dim;
   bool grad_square;
-  // > 0: a batch norm's plan, h = its saved batch mean * mean_scale (see above); 0: none
+  // > 0: a norm's plan, h from its saved means * mean_scale (see above); 0: none
   double mean_scale;
-  // taps registered on a batch norm's backward node (for tests and diagnostics)
+  // taps registered on a norm's backward node (for tests and diagnostics)
   mutable std::atomic<int64_t> norm_taps{0};
 
   TapPlan(std::shared_ptr<TapSink> sink, std::vector<int64_t> input_op, double input_div, int64_t grad_dim,

@@ -11,10 +11,11 @@ the layer's ``TapSink`` without entering Python, and the optimizer takes them at
 (``LayerCapture.pending``).  The statistics are the same kernels' (the same one call per
 layer the Python hook makes); only where the host spends its time changes.
 
-A training batch norm's tap calls nothing at all: its plan registers a post hook on the
-norm's backward node, which takes the input's sums from the batch mean the norm saved and
-the gradient's from the bias gradient the node returns (``csrc/capture_tap.h``); neither
-the activation nor the gradient is read again.
+The tap of a training batch norm, or of a layer norm on an input of 3 or more dims, calls
+no statistics op: its plan registers a post hook on the norm's backward node, which takes
+the input's sums from the means the norm saved and the gradient's from the bias gradient
+the node returns (``csrc/capture_tap.h``); neither the activation nor the gradient is read
+again.
 
 Taken only where the rule describes the statistics as that one call (a ``FusedStats`` for
 the shapes) on tensors the kernels take; where the input's statistics are read in the

@@ -134,12 +134,17 @@ def test_taps_give_the_python_hooks_factors_and_weights(on_cpu):
     fusable = {"conv", "bn", "conv1d", "ln", "fc"}
     assert python_calls == 3 * len(fusable)
     assert on_cpu.count("layer_stats") == python_calls  # no Python hook called it for the tapped run
+    norms = {"bn", "ln"}  # their taps take autograd's sums (test_norm_taps.py): equal up to rounding
     for name, cap in got.binding.captures.items():
         assert (cap.sink is not None) == (name in fusable), name
         want = ref.binding.captures[name]
-        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+        if name in norms:
+            torch.testing.assert_close(cap.H, want.H, rtol=1e-6, atol=1e-8, msg=name)
+            torch.testing.assert_close(cap.S, want.S, rtol=1e-6, atol=1e-8, msg=name)
+        else:  # the same layer_stats call on both paths
+            assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
     for p, q in zip(tapped.parameters(), hooked.parameters()):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
 def test_an_extension_built_before_the_taps_leaves_every_layer_to_the_python_hooks(ext, on_cpu, monkeypatch):

@@ -619,6 +619,41 @@ def test_batch_norm_taps_give_the_python_hooks_sums(ext, impl, precision):
         close(sums[True][n][2], s, 1e-5)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_layer_norm_taps_give_the_python_hooks_sums(ext, impl, autocast):
+    """A GPT's layer norms (on (B, T, D), fp32 under bf16 autocast): their taps take h from the
+    saved row means and s from the bias gradient; the sums are the Python hooks'."""
+    from lightning_cafin import AdaFisherW
+    from lightning_cafin.capture import taps
+    from lightning_cafin.models.gpt import GPT, lm_loss
+
+    impl("kernels")
+    torch.manual_seed(0)
+    base = GPT(97, 64, 2, 4, 32).to(DEV)
+    tokens = torch.randint(0, 97, (4, 33), device=DEV)
+    sums = {}
+    before = taps.set_enabled(False)
+    try:
+        for tapped in (False, True):
+            taps.set_enabled(tapped)
+            model = copy.deepcopy(base)
+            opt = AdaFisherW(model, lr=1e-3, TCov=100, backend="fused")
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            norms = {n: c for n, c in opt.binding.captures.items() if isinstance(c.module, nn.LayerNorm)}
+            sums[tapped] = {n: (c.pending.calls, c.pending.h.clone(), c.pending.s.clone()) for n, c in norms.items()}
+            if tapped:
+                assert all(sum(p.norm_taps for p in c.tap_plans.values()) == 1 for c in norms.values())
+    finally:
+        taps.set_enabled(before)
+    assert len(sums[True]) == 5
+    for n, (calls, h, s) in sums[False].items():
+        assert sums[True][n][0] == calls == 1, n
+        close(sums[True][n][1], h, 1e-5)
+        close(sums[True][n][2], s, 1e-5)
+
+
 @pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
 def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side):

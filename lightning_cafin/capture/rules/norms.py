@@ -14,9 +14,10 @@ Two families, each the direct generalisation of one of the paper's norms
   ``H`` entries are computed (so the normalisation is the same), its weight reads the first.
 
 On CUDA every reduction here is the extension's ``channel_stats`` kernel (any rank, any
-channel dim, strided views included); elsewhere the torch ops.  A batch norm's C++ tap
-needs neither reduction (``FusedStats.mean_scale``): autograd has both sums already, the
-input's as the batch mean the norm saved, the gradient's as its bias gradient.
+channel dim, strided views included); elsewhere the torch ops.  The C++ tap of a batch
+norm, or of a layer norm on an input of 3 or more dims, needs neither reduction
+(``FusedStats.mean_scale``): autograd has both sums already, the input's as the means the
+norm saved, the gradient's as its bias gradient.
 """
 
 from __future__ import annotations
@@ -136,7 +137,12 @@ class FeatureNormRule(_TwoColumnRule):
         dn = math.prod(x_shape[2:])
         if dn <= 0:
             return None
-        return FusedStats(channel_op(1, False), float(dn**2), -1, False, 0.0, float(x_shape[0]), float(grad_shape[0]))
+        # a layer norm's sum over (batch, ..., normalised) per dim-1 index is the sum of its saved
+        # row means times N (the normalised size), here divided by dn**2 (a 2-D input's dim 1 is
+        # the normalised dim: none; RMSNorm saves no means and has no bias: none)
+        mean_scale = x_shape[-1] / dn**2 if self.with_bias and len(x_shape) >= 3 else 0.0
+        return FusedStats(channel_op(1, False), float(dn**2), -1, False, 0.0, float(x_shape[0]), float(grad_shape[0]),
+                          float(mean_scale))
 
     def output_partial(self, module: nn.Module, s: Tensor) -> tuple[Tensor, float]:
         s = self._view(module, s)
