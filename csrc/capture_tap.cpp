@@ -130,7 +130,7 @@ TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_,
       grad_square(grad_square_),
       mean_scale(mean_scale_) {
   TORCH_CHECK(sink != nullptr, "TapPlan: sink must be a TapSink, got None");
-  TORCH_CHECK(mean_scale >= 0.0, "TapPlan: mean_scale must be >= 0 (0: not a batch norm), got ", mean_scale);
+  TORCH_CHECK(mean_scale >= 0.0, "TapPlan: mean_scale must be >= 0 (0: not a norm's plan), got ", mean_scale);
 }
 
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {

@@ -102,9 +102,10 @@ class FusedStats:
     :meth:`LayerRule.input_partial` / :meth:`LayerRule.output_partial` return with the sums.
     A description depends only on the module and the two shapes, so the hooks cache it.
 
-    ``mean_scale`` (a batch norm's, else 0): the input's sums are the batch mean the norm
-    saved times ``mean_scale``, and the gradient's its bias gradient, so a C++ tap takes
-    both from autograd without reading either tensor (``csrc/capture_tap.h``).
+    ``mean_scale`` (a batch norm's, or a layer norm's on 3+ dims; else 0): the input's sums
+    are the means the norm saved (a layer norm's summed over every dim but dim 1) times
+    ``mean_scale``, and the gradient's its bias gradient, so a C++ tap takes both from
+    autograd without reading either tensor (``csrc/capture_tap.h``).
     """
 
     input_op: tuple[int, ...]
