@@ -13,7 +13,10 @@ forced with ``capture_next_step``), it
   ``--rounds`` alternating rounds, and sums each kernel's device time per step (on a
   machine without a GPU: each CPU op's own time, a smoke run);
 * prints the kernels whose time per step a capture step changes most, the device time
-  of the package's own kernels (``lightning_cafin::``) and what the others add.
+  of the package's own kernels (``lightning_cafin::``) and what the others add;
+* profiles the host (``cProfile``) in a capture step's forward (with the loss) and in its
+  ``optimizer.step()``, each from a synchronised device, and prints the functions that
+  take the most of it (the bench's ``host`` says how much each phase adds per layer).
 
     python scripts/profile_capture.py --workload gpt --out $OUT
     python scripts/profile_capture.py --workload all --out $OUT      # every workload, in turn
@@ -25,7 +28,10 @@ Each workload's report is printed and written to ``<out>/profile-capture-<worklo
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -126,6 +132,46 @@ def report(name: str, description: str, layers: int, device: torch.device, timin
     return lines
 
 
+def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
+    """The functions taking the most host time in ``steps`` capture steps' forwards and
+    optimizer steps (each phase profiled from a synchronised device, the other not)."""
+    phases = {"forward (with the loss)": cProfile.Profile(), "optimizer.step()": cProfile.Profile()}
+    forward, step = phases.values()
+    dev = trainer.device
+    for _ in range(steps):
+        trainer.opt.capture_next_step()
+        trainer.opt.zero_grad()
+        sync(dev)
+        forward.enable()
+        loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
+        forward.disable()
+        loss.backward()
+        sync(dev)
+        step.enable()
+        trainer.opt.step()
+        step.disable()
+        sync(dev)
+    lines = []
+    for name, prof in phases.items():
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        lines += ["", f"host, a capture step's {name}: {stats.total_tt * 1e3 / steps:.3f} ms per step under cProfile "
+                  f"(its overhead included); the {top} functions with the most own time:"]
+        stats.sort_stats("tottime").print_stats(top)
+        rows = [r for r in out.getvalue().splitlines() if _is_stats_row(r)]
+        lines += ["  " + r.strip() for r in rows[:top]]
+    return lines
+
+
+def _is_stats_row(line: str) -> bool:
+    """A function's row of a pstats table: ncalls, then four times (not its header lines)."""
+    parts = line.split()
+    try:
+        return len(parts) >= 6 and all(float(p) >= 0 for p in parts[1:5])
+    except ValueError:
+        return False
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
@@ -147,6 +193,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
         accumulate(normal, event_times(trainer, False, steps, device), steps)
         accumulate(capture, event_times(trainer, True, steps, device), steps)
     lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
+    lines += host_profile(trainer, steps, min(top, 15))
     del trainer
     gc.collect()
     if device.type == "cuda":

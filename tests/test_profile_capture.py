@@ -29,11 +29,19 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     assert "workload resnet18: CIFAR ResNet-18 (width 8) b4, fp32; 41 layers with factors" in text
     assert re.search(r"capture - normal [+-]\d+\.\d{3} ms", text)
     rows = text.split("name\n", 1)[1].strip().splitlines()
+    rows = rows[: rows.index("")] if "" in rows else rows
     assert len(rows) == 6
     changes = [abs(float(r.split()[0])) for r in rows]
     assert changes == sorted(changes, reverse=True)  # largest change first
     # the capture step's statistics are ops a normal step does not run at all
     assert any(float(r.split()[3]) == 0.0 and float(r.split()[1]) > 0 for r in rows), rows
+    # then the host profile of a capture step's forward (the capture hook among its functions) and step
+    assert "host, a capture step's forward (with the loss)" in text and "host, a capture step's optimizer.step()" in text
+    host = text.split("host, a capture step's forward", 1)[1]
+    forward, step = host.split("host, a capture step's optimizer.step()")
+    for section in (forward, step):
+        assert len(section.strip().splitlines()) >= 3  # the heading, then function rows
+    assert "lightning_cafin" in step  # the factor update is the package's own host work
 
 
 @pytest.mark.parametrize("argv, message", [
