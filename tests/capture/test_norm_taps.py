@@ -100,7 +100,7 @@ def assert_same_factors(got, want):
 
 
 def pending_sums(opt, model, data):
-    """Every batch norm's pending (calls, h, s) after one more capture step's forwards and backwards."""
+    """Every shortcut norm's pending (calls, h, s) after one more capture step's forwards and backwards."""
     opt.capture_next_step()
     opt.zero_grad()
     for x, y in data:
@@ -197,6 +197,7 @@ def test_a_backward_that_does_not_reach_the_bias_waits_for_one_that_does(on_cpu)
         loss.backward()
         pending = opt.binding.captures["bn2"].pending
         results.append((pending.calls, pending.h.clone(), pending.s.clone()))
+    assert norm_taps(opt, "bn2") == 1  # (the tapped run's: one tap, which fired in the loss's backward)
     (calls_ref, h_ref, s_ref), (calls, h, s) = results
     assert calls == calls_ref == 1
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
