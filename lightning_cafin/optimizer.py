@@ -31,6 +31,7 @@ from .backends.foreach import ForeachBackend
 from .backends.state import ensure_state
 from .binding import LayerBinding, LayerFactors, offered_model, register_model_provider
 from .capture import streams as capture_streams
+from .capture import taps as capture_taps
 from .capture.distributed import StatisticsReduction
 from .capture.factors import update_factors
 from .capture.layers import check_layers
@@ -74,6 +75,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             self.bind(model)
 
     def _init_parts(self, every: int) -> None:
+        capture_taps.note_compiled_autograd_config()  # (and at every step: C++ taps cannot run under it)
         owner = type(self).__name__
         self._health = Health(owner)
         self.schedule = CaptureSchedule(every)
@@ -124,6 +126,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         # (the factors must not learn from a skipped step) and for a parameter whose backend
         # cannot honour it on the device.  Otherwise the kernel honours it and the host
         # learns it later (schedule.record_deferred).
+        capture_taps.note_compiled_autograd_config()  # for the next forward's capture hooks
         defer = found_inf is not None and found_inf.is_cuda
         if found_inf is not None and not defer and self._skipped(found_inf):
             return

@@ -443,7 +443,7 @@ def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
     z = args[0] if args else None
     if isinstance(z, Tensor) and _wants_capture(capture, capture.module, z, saved_tensors.state()):
         slot.tapped = _GradTap()
-        z.register_hook(slot.tapped)
+        z.register_hook(torch.compiler.disable(slot.tapped) if taps.blocked() else slot.tapped)  # (as in _capture_forward)
 
 
 def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -512,7 +512,8 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     if tap is not None:
         tap.call = on_output_grad
     elif isinstance(output, Tensor):
-        output.register_hook(on_output_grad)
+        # under compiled autograd (taps.blocked) dynamo would trace the hook, freezing its Python state
+        output.register_hook(torch.compiler.disable(on_output_grad) if taps.blocked() else on_output_grad)
 
 
 def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tensor, ...]) -> Any:
@@ -520,7 +521,7 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
     on, the kernels take the tensors ``read`` and the rule describes the pair as one call;
     else ``None``.  The gradient has the output's shape, dtype and device, so the output
     decides as the gradient would."""
-    if not taps.enabled():
+    if not taps.enabled() or taps.blocked():
         return None
     ext = _kernels.ext_for(*read)
     return None if ext is None else capture.tap_plan(ext, x, output)

@@ -28,10 +28,18 @@ capture step with taps against one with Python hooks: 0.97x ResNet-18 fp32, 0.93
 channels_last, 0.95x ResNet-50, 0.99x the GPT; the backward's host time per captured
 layer went from 49-63 to 19-38 microseconds).  :func:`set_enabled`, :func:`using`, or
 ``LIGHTNING_CAFIN_CAPTURE_TAP=0`` (read when first needed, not at import) turns it off.
+
+Compiled autograd (``torch._dynamo.compiled_autograd``) cannot run C++ hooks: it refuses
+them with ``NotImplementedError: compiled_args nyi``, where it runs Python tensor hooks.
+So while it is enabled (inside its ``_enable`` context), or configured for compiled
+backward calls (``torch._dynamo.config.compiled_autograd``, read at every optimizer step:
+the config object is slow to read per layer), the capture hooks register Python hooks
+(:func:`blocked`).
 """
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import ContextManager
 
@@ -60,3 +68,25 @@ def using(on: bool) -> ContextManager[None]:
 def available(ext: ModuleType) -> bool:
     """Whether the loaded extension has the taps (a build from before them has not)."""
     return hasattr(ext, "TapPlan")
+
+
+class _CompiledAutograd:
+    """``torch._dynamo.config.compiled_autograd`` as read at the last optimizer step."""
+
+    configured = False
+
+
+def note_compiled_autograd_config() -> None:
+    """Read whether compiled autograd is configured for compiled backward calls (the
+    optimizer calls this at every step; a process that never imported dynamo has not)."""
+    config = sys.modules.get("torch._dynamo.config")
+    _CompiledAutograd.configured = bool(config is not None and getattr(config, "compiled_autograd", False))
+
+
+def blocked() -> bool:
+    """Whether the backward may run under compiled autograd, which cannot call C++ taps:
+    it is enabled now, or configured (as of the last optimizer step)."""
+    if _CompiledAutograd.configured:
+        return True
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "compiled_autograd_enabled", False))

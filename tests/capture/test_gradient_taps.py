@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,59 @@ def test_taps_under_activation_checkpointing(on_cpu, reentrant):
     for name in want:
         torch.testing.assert_close(got[name][0], want[name][0], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(got[name][1], want[name][1], rtol=1e-5, atol=1e-7)
+
+
+def _step_under_compiled_autograd(model, opt):
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+    opt.zero_grad()
+    with warnings.catch_warnings(record=True) as seen, \
+            torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        warnings.simplefilter("always")
+        nn.functional.cross_entropy(model(x), y).backward()
+    # dynamo warns where it traces into the hooks' Python (a cached rule, the statistics op):
+    # it must not, they run eagerly
+    assert not [w for w in seen if "lightning_cafin" in str(w.message) + str(w.filename)], [str(w.message) for w in seen]
+    opt.step()
+
+
+def test_compiled_autograd_gets_python_hooks_run_eagerly(on_cpu):
+    """Compiled autograd refuses C++ hooks (``compiled_args nyi``): while it is enabled the
+    capture hooks register Python ones, which it runs eagerly (not traced with their Python
+    state), and the factors are theirs."""
+    torch.manual_seed(0)
+    model = _Net()
+    hooked = copy.deepcopy(model)
+    taps.set_enabled(False)
+    ref = AdaFisher(hooked, lr=1e-2, TCov=1, backend="foreach")
+    torch.manual_seed(1)
+    _step_under_compiled_autograd(hooked, ref)
+    taps.set_enabled(True)
+    got = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    torch.manual_seed(1)
+    _step_under_compiled_autograd(model, got)  # raised NotImplementedError with the C++ taps
+    assert got.health["capture_steps"] == 1
+    for name, cap in got.binding.captures.items():
+        assert cap.sink is None, name
+        want = ref.binding.captures[name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+
+
+def test_compiled_autograd_configured_for_compiled_backwards_gets_python_hooks(on_cpu):
+    """``torch._dynamo.config.compiled_autograd`` is read at every optimizer step: taps are
+    off from the step after it is set to the step after it is unset."""
+    torch.manual_seed(0)
+    model = _Net()
+    taps.set_enabled(True)
+
+    def capture_step(opt):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(4, 3, 6, 6)), torch.randint(0, 5, (4,))).backward()
+        tapped = sum(c.taps_out for c in opt.binding.captures.values())
+        opt.step()
+        return tapped
+
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+        assert capture_step(opt) == 0
+    assert capture_step(opt) == 0  # (the config is read at the step: this forward came before it)
+    assert capture_step(opt) > 0

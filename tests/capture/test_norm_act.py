@@ -4,6 +4,7 @@ norm's affine output (before dropout and the activation, in place or not), again
 float64 oracle of ``spec.py``."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -75,6 +76,32 @@ def test_norm_act_factors_are_the_norms_own(case):
     s_after = torch.autograd.grad(F.cross_entropy(before[2](before[1](y_out)), y), y_out)[0]
     _, S_after = spec.raw_stats(ref, x, s_after, channels_first=channels_first)
     assert not torch.allclose(S_after, S_raw)
+
+
+def test_norm_act_factors_under_compiled_autograd_are_eager_modes():
+    """Under compiled autograd the tap on the norm's affine output runs eagerly (not traced
+    with its Python state), and gives the factors of an eager backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(norm_act.GroupNormAct(6, num_groups=3), nn.Flatten(), nn.Linear(6 * 3 * 4, 5)).double()
+    x, y = torch.randn(4, 6, 3, 4, dtype=D), torch.randint(0, 5, (4,))
+    factors = []
+    for compiled in (False, True):
+        m = copy.deepcopy(model)
+        opt = AdaFisher(m, backend="reference", TCov=1)
+        if compiled:
+            with warnings.catch_warnings(record=True) as seen, \
+                    torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                warnings.simplefilter("always")
+                F.cross_entropy(m(x), y).backward()
+            # dynamo warns where it traces into the hooks' Python (it must not: they run eagerly)
+            assert not [w for w in seen if "lightning_cafin" in str(w.message) + str(w.filename)], seen
+        else:
+            F.cross_entropy(m(x), y).backward()
+        opt.step()
+        factors.append(opt.factors()["0"])
+    eager, compiled_ = factors
+    torch.testing.assert_close(compiled_.S, eager.S, rtol=1e-12, atol=0)
+    torch.testing.assert_close(compiled_.H, eager.H, rtol=1e-12, atol=0)
 
 
 def test_norm_act_rules_and_the_unknown_fused_norm():
