@@ -59,6 +59,7 @@ struct NormTap final : torch::autograd::FunctionPostHook {
     const at::Tensor m = std::move(means);
     means = at::Tensor();
     const TapPlan& p = *plan;
+    at::NoGradGuard no_grad;  // a backward with create_graph=True records nothing of this
     at::Tensor h;
     if (m.dim() == 1) {  // a batch norm's per-channel means
       h = m.to(at::kFloat).mul(p.mean_scale);

@@ -212,3 +212,17 @@ def test_a_frozen_bias_takes_the_ordinary_tap(on_cpu):  # noqa: F811
     got = train(model, True, steps=1)
     assert norm_taps(got, "bn2") == 0 and norm_taps(got, "bn3") == norm_taps(got, "ln3") == 1
     assert_same_factors(got, ref)
+
+
+def test_a_backward_building_a_graph_records_nothing_of_the_sums(on_cpu):  # noqa: F811
+    """``create_graph=True`` (a gradient penalty's backward): the statistics are plain tensors."""
+    torch.manual_seed(0)
+    model = Norms()
+    taps.set_enabled(True)
+    opt = AdaFisher(model, TCov=1, backend="foreach")
+    (x, y), = batches(1)
+    grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()), create_graph=True)
+    for name in SHORTCUT:
+        pending = opt.binding.captures[name].pending
+        assert pending.calls == 1 and not pending.h.requires_grad and not pending.s.requires_grad, name
+    assert all(g.requires_grad for g in grads)  # (the gradients themselves do carry the graph)
