@@ -34,7 +34,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -45,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
 from lightning_cafin.bench.matrix import Trainer, adafisher  # noqa: E402
-from lightning_cafin.bench.timing import sync  # noqa: E402
+from lightning_cafin.bench.timing import sync, time_ms  # noqa: E402
+from lightning_cafin.provenance import machine_name  # noqa: E402
 
 OURS = "lightning_cafin::"  # the namespace of the package's kernels in their names
 NAME_WIDTH = 96
@@ -87,19 +87,9 @@ def accumulate(into: dict[str, list[float]], times: dict[str, tuple[int, float]]
 def paired_extra_ms(normal: Callable[[], None], capture: Callable[[], None], device: torch.device,
                     reps: int) -> tuple[float, float, float]:
     """Medians of a synchronised normal step, a capture step and their paired difference."""
-    a, b, d = [], [], []
-    for _ in range(reps):
-        pair = []
-        for fn in (normal, capture):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            pair.append((time.perf_counter() - t0) * 1e3)
-        a.append(pair[0])
-        b.append(pair[1])
-        d.append(pair[1] - pair[0])
-    return statistics.median(a), statistics.median(b), statistics.median(d)
+    pairs = [(time_ms(normal, device), time_ms(capture, device)) for _ in range(reps)]
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(b - a for a, b in pairs))
 
 
 def report(name: str, description: str, layers: int, device: torch.device, timing: tuple[float, float, float],
@@ -112,7 +102,7 @@ def report(name: str, description: str, layers: int, device: torch.device, timin
     ours_n = sum(v[1] for k, v in n.items() if OURS in k)
     ours_c = sum(v[1] for k, v in c.items() if OURS in k)
     lines = [
-        f"workload {name}: {description}; {layers} layers with factors; {device_name(device)}",
+        f"workload {name}: {description}; {layers} layers with factors; {machine_name(device)}, torch {torch.__version__}",
         f"synchronised train step (median of paired steps): normal {timing[0]:.3f} ms, capture {timing[1]:.3f} ms, "
         f"capture - normal {timing[2]:+.3f} ms",
         f"{unit} per step: normal {total_n:.3f} ms, capture {total_c:.3f} ms ({total_c - total_n:+.3f}); "
@@ -170,12 +160,6 @@ def _is_stats_row(line: str) -> bool:
         return len(parts) >= 6 and all(float(p) >= 0 for p in parts[1:5])
     except ValueError:
         return False
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU, torch {torch.__version__}"
 
 
 def profile_workload(name: str, device: torch.device, quick: bool, steps: int, rounds: int, reps: int,

@@ -99,13 +99,26 @@ def assert_same_factors(got, want):
             assert err <= 1e-6, f"{name}: {err:.2e}"
 
 
-def pending_sums(opt, model, data):
-    """Every shortcut norm's pending (calls, h, s) after one more capture step's forwards and backwards."""
-    opt.capture_next_step()
-    opt.zero_grad()
-    for x, y in data:
-        nn.functional.cross_entropy(model(x), y).backward()
-    return {n: (p.calls, p.h.clone(), p.s.clone()) for n in SHORTCUT for p in [opt.binding.captures[n].pending]}
+def sums_both_ways(model, backwards, names=SHORTCUT):
+    """The named norms' pending (calls, h, s) after ``backwards(m)`` on a copy ``m`` of ``model``
+    bound to a capturing optimizer: ``{False: Python hooks, True: C++ taps}``, and the tapped
+    run's optimizer."""
+    sums = {}
+    for taps_on in (False, True):
+        with taps.using(taps_on):
+            m = copy.deepcopy(model)
+            opt = AdaFisher(m, TCov=1, backend="foreach")
+            backwards(m)
+            sums[taps_on] = {n: (p.calls, p.h.clone(), p.s.clone()) for n in names for p in [opt.binding.captures[n].pending]}
+    return sums, opt
+
+
+def assert_same_sums(sums, calls):
+    """The taps' sums are the Python hooks', each from ``calls`` forward/backward pairs."""
+    for name, (n, h, s) in sums[False].items():
+        assert sums[True][name][0] == n == calls, name
+        torch.testing.assert_close(sums[True][name][1], h, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(sums[True][name][2], s, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -129,36 +142,25 @@ def test_the_norms_sums_equal_the_python_hooks(on_cpu, micro_batches, channels_l
     torch.manual_seed(0)
     model = Norms().to(memory_format=torch.channels_last) if channels_last else Norms()
     data = batches(micro_batches, channels_last)
-    sums = {}
-    for taps_on in (False, True):
-        taps.set_enabled(taps_on)
-        m = copy.deepcopy(model)
-        sums[taps_on] = pending_sums(AdaFisher(m, TCov=1, backend="foreach"), m, data)
-    for name, (calls, h, s) in sums[False].items():
-        assert sums[True][name][0] == calls == micro_batches, name
-        torch.testing.assert_close(sums[True][name][1], h, rtol=1e-5, atol=1e-6, msg=name)
-        torch.testing.assert_close(sums[True][name][2], s, rtol=1e-5, atol=1e-6, msg=name)
+
+    def backwards(m):
+        for x, y in data:
+            nn.functional.cross_entropy(m(x), y).backward()
+
+    sums, _ = sums_both_ways(model, backwards)
+    assert_same_sums(sums, micro_batches)
 
 
 def test_two_forwards_before_one_backward_add_two_pairs(on_cpu):  # noqa: F811
     """A siamese step: each call of the norm has its own backward node, so its own tap."""
     torch.manual_seed(0)
-    model = Norms()
-    results = []
-    for taps_on in (False, True):
-        taps.set_enabled(taps_on)
-        m = copy.deepcopy(model)
-        opt = AdaFisher(m, TCov=1, backend="foreach")
-        (a, y), (b, _) = batches(2)
-        loss = nn.functional.cross_entropy(m(a), y) + nn.functional.cross_entropy(m(b), y)
-        loss.backward()
-        pending = opt.binding.captures["bn2"].pending
-        results.append((pending.calls, pending.h.clone(), pending.s.clone()))
-        opt.step()
-    (calls_ref, h_ref, s_ref), (calls, h, s) = results
-    assert calls == calls_ref == 2
-    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-6)
+    (a, y), (b, _) = batches(2)
+
+    def backwards(m):
+        (nn.functional.cross_entropy(m(a), y) + nn.functional.cross_entropy(m(b), y)).backward()
+
+    sums, _ = sums_both_ways(Norms(), backwards, names=("bn2",))
+    assert_same_sums(sums, 2)
 
 
 def test_a_retained_graph_adds_nothing_and_the_sums_are_not_the_bias_gradient(on_cpu):  # noqa: F811
@@ -184,24 +186,17 @@ def test_a_backward_that_does_not_reach_the_bias_waits_for_one_that_does(on_cpu)
     """``autograd.grad`` for the input alone computes no bias gradient: the tap keeps waiting,
     and the loss's backward then gives the same statistics as the Python hooks."""
     torch.manual_seed(0)
-    model = Norms()
-    results = []
-    for taps_on in (False, True):
-        taps.set_enabled(taps_on)
-        m = copy.deepcopy(model)
-        opt = AdaFisher(m, TCov=1, backend="foreach")
-        (x, y), = batches(1)
-        x.requires_grad_(True)
+    (x, y), = batches(1)
+    x.requires_grad_(True)
+
+    def backwards(m):
         loss = nn.functional.cross_entropy(m(x), y)
         torch.autograd.grad(loss, x, retain_graph=True)
         loss.backward()
-        pending = opt.binding.captures["bn2"].pending
-        results.append((pending.calls, pending.h.clone(), pending.s.clone()))
+
+    sums, opt = sums_both_ways(Norms(), backwards, names=("bn2",))
     assert norm_taps(opt, "bn2") == 1  # (the tapped run's: one tap, which fired in the loss's backward)
-    (calls_ref, h_ref, s_ref), (calls, h, s) = results
-    assert calls == calls_ref == 1
-    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=1e-6)
+    assert_same_sums(sums, 1)
 
 
 def test_a_frozen_bias_takes_the_ordinary_tap(on_cpu):  # noqa: F811

@@ -579,13 +579,39 @@ def test_first_capture_of_a_real_network_equals_the_torch_path(ext, impl):
         close(results["kernels"][n][1], results["torch"][n][1], 1e-5)
 
 
+def _norm_sums_hooks_and_taps(base, make_opt, backwards, norm_type):
+    """Every ``norm_type`` layer's pending (calls, h, s) after ``backwards(m)`` on a copy ``m`` of
+    ``base``, ``{False: Python hooks, True: C++ taps}``, and each norm's count of taps taken
+    from its backward node in the tapped run."""
+    from lightning_cafin.capture import taps
+
+    sums, norm_taps = {}, []
+    for tapped in (False, True):
+        with taps.using(tapped):
+            model = copy.deepcopy(base)
+            opt = make_opt(model)
+            backwards(model)
+            norms = {n: c for n, c in opt.binding.captures.items() if isinstance(c.module, norm_type)}
+            sums[tapped] = {n: (c.pending.calls, c.pending.h.clone(), c.pending.s.clone()) for n, c in norms.items()}
+            if tapped:
+                norm_taps = [sum(p.norm_taps for p in c.tap_plans.values()) for c in norms.values()]
+    return sums, norm_taps
+
+
+def _assert_same_norm_sums(sums, layers, calls):
+    assert len(sums[True]) == layers
+    for n, (count, h, s) in sums[False].items():
+        assert sums[True][n][0] == count == calls, n
+        close(sums[True][n][1], h, 1e-5)
+        close(sums[True][n][2], s, 1e-5)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
 def test_batch_norm_taps_give_the_python_hooks_sums(ext, impl, precision):
     """A batch norm's tap takes h from the norm's saved batch mean and s from its bias
     gradient (cuDNN's or the native backward's): the pending sums of two micro-batches are
     those the Python hooks read from the activation and the gradient."""
     from lightning_cafin import AdaFisher
-    from lightning_cafin.capture import taps
     from lightning_cafin.models import ResNet18
 
     impl("kernels")
@@ -595,28 +621,17 @@ def test_batch_norm_taps_give_the_python_hooks_sums(ext, impl, precision):
     if precision != "fp32":
         base = base.to(memory_format=torch.channels_last)
         data = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in data]
-    sums = {}
-    before = taps.set_enabled(False)
-    try:
-        for tapped in (False, True):
-            taps.set_enabled(tapped)
-            model = copy.deepcopy(base)
-            opt = AdaFisher(model, lr=1e-3, TCov=100, backend="fused")
-            for x, y in data:
-                with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
-                    loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-            norms = {n: c for n, c in opt.binding.captures.items() if isinstance(c.module, nn.BatchNorm2d)}
-            sums[tapped] = {n: (c.pending.calls, c.pending.h.clone(), c.pending.s.clone()) for n, c in norms.items()}
-            if tapped:
-                assert all(sum(p.norm_taps for p in c.tap_plans.values()) == 2 for c in norms.values())
-    finally:
-        taps.set_enabled(before)
-    assert len(sums[True]) == 20
-    for n, (calls, h, s) in sums[False].items():
-        assert sums[True][n][0] == calls == 2, n
-        close(sums[True][n][1], h, 1e-5)
-        close(sums[True][n][2], s, 1e-5)
+
+    def backwards(model):
+        for x, y in data:
+            with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+
+    sums, norm_taps = _norm_sums_hooks_and_taps(
+        base, lambda m: AdaFisher(m, lr=1e-3, TCov=100, backend="fused"), backwards, nn.BatchNorm2d)
+    assert norm_taps == [2] * 20
+    _assert_same_norm_sums(sums, 20, 2)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -624,34 +639,22 @@ def test_layer_norm_taps_give_the_python_hooks_sums(ext, impl, autocast):
     """A GPT's layer norms (on (B, T, D), fp32 under bf16 autocast): their taps take h from the
     saved row means and s from the bias gradient; the sums are the Python hooks'."""
     from lightning_cafin import AdaFisherW
-    from lightning_cafin.capture import taps
     from lightning_cafin.models.gpt import GPT, lm_loss
 
     impl("kernels")
     torch.manual_seed(0)
     base = GPT(97, 64, 2, 4, 32).to(DEV)
     tokens = torch.randint(0, 97, (4, 33), device=DEV)
-    sums = {}
-    before = taps.set_enabled(False)
-    try:
-        for tapped in (False, True):
-            taps.set_enabled(tapped)
-            model = copy.deepcopy(base)
-            opt = AdaFisherW(model, lr=1e-3, TCov=100, backend="fused")
-            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            norms = {n: c for n, c in opt.binding.captures.items() if isinstance(c.module, nn.LayerNorm)}
-            sums[tapped] = {n: (c.pending.calls, c.pending.h.clone(), c.pending.s.clone()) for n, c in norms.items()}
-            if tapped:
-                assert all(sum(p.norm_taps for p in c.tap_plans.values()) == 1 for c in norms.values())
-    finally:
-        taps.set_enabled(before)
-    assert len(sums[True]) == 5
-    for n, (calls, h, s) in sums[False].items():
-        assert sums[True][n][0] == calls == 1, n
-        close(sums[True][n][1], h, 1e-5)
-        close(sums[True][n][2], s, 1e-5)
+
+    def backwards(model):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+
+    sums, norm_taps = _norm_sums_hooks_and_taps(
+        base, lambda m: AdaFisherW(m, lr=1e-3, TCov=100, backend="fused"), backwards, nn.LayerNorm)
+    assert norm_taps == [1] * 5
+    _assert_same_norm_sums(sums, 5, 1)
 
 
 @pytest.mark.parametrize("side", [False, True])
