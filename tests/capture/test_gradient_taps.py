@@ -353,16 +353,21 @@ def test_taps_under_activation_checkpointing(on_cpu, reentrant):
         torch.testing.assert_close(got[name][1], want[name][1], rtol=1e-5, atol=1e-7)
 
 
-def _step_under_compiled_autograd(model, opt):
-    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
-    opt.zero_grad()
+def backward_under_compiled_autograd(loss_of):
+    """Run ``loss_of()`` (a forward and its loss) and its backward under compiled autograd,
+    asserting that dynamo traced none of the package's Python: it warns where it traces into
+    the hooks (a cached rule, the statistics op), which must run eagerly."""
     with warnings.catch_warnings(record=True) as seen, \
             torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
         warnings.simplefilter("always")
-        nn.functional.cross_entropy(model(x), y).backward()
-    # dynamo warns where it traces into the hooks' Python (a cached rule, the statistics op):
-    # it must not, they run eagerly
+        loss_of().backward()
     assert not [w for w in seen if "lightning_cafin" in str(w.message) + str(w.filename)], [str(w.message) for w in seen]
+
+
+def _step_under_compiled_autograd(model, opt):
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+    opt.zero_grad()
+    backward_under_compiled_autograd(lambda: nn.functional.cross_entropy(model(x), y))
     opt.step()
 
 

@@ -4,7 +4,6 @@ norm's affine output (before dropout and the activation, in place or not), again
 float64 oracle of ``spec.py``."""
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from torch import nn
 
 from lightning_cafin import AdaFisher, spec
 from lightning_cafin.capture import hook_count, rule_for
+
+from .test_gradient_taps import backward_under_compiled_autograd
 
 norm_act = pytest.importorskip("timm.layers.norm_act")
 D = torch.float64
@@ -89,12 +90,7 @@ def test_norm_act_factors_under_compiled_autograd_are_eager_modes():
         m = copy.deepcopy(model)
         opt = AdaFisher(m, backend="reference", TCov=1)
         if compiled:
-            with warnings.catch_warnings(record=True) as seen, \
-                    torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
-                warnings.simplefilter("always")
-                F.cross_entropy(m(x), y).backward()
-            # dynamo warns where it traces into the hooks' Python (it must not: they run eagerly)
-            assert not [w for w in seen if "lightning_cafin" in str(w.message) + str(w.filename)], seen
+            backward_under_compiled_autograd(lambda m=m: F.cross_entropy(m(x), y))
         else:
             F.cross_entropy(m(x), y).backward()
         opt.step()
