@@ -163,9 +163,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
     def _capturing_now(self) -> bool:
         """Whether this step captures, with the skip flags that decide it settled (the hooks ask this)."""
         if self.schedule.settled_due():
-            options = self.capture_options
-            if options.impl is not None or options.stream is not None:  # (every captured layer's hook asks)
-                options.apply()
+            self.capture_options.apply()
             return True
         return False
 

@@ -84,11 +84,10 @@ def _extension() -> Optional[ModuleType]:
 
 
 def ext_for(*tensors: Tensor) -> Optional[ModuleType]:
-    """The extension when the kernels should handle these tensors, else ``None``.  (Asked
-    per captured layer in the forward and backward: the settled choices are read directly.)"""
-    if (_impl if _impl is not None else get_impl()) == "torch":
+    """The extension when the kernels should handle these tensors, else ``None``."""
+    if get_impl() == "torch":
         return None
     for t in tensors:
         if not t.is_cuda or t.dtype not in KERNEL_DTYPES:
             return None
-    return _EXT if _EXT is not None else _extension()
+    return _extension()

@@ -110,7 +110,7 @@ def enabled() -> bool:
 
 def side() -> bool:
     """Whether a statistics op called now should run on the side stream."""
-    return _switch.get() and not getattr(_local, "off", False)
+    return enabled() and not getattr(_local, "off", False)
 
 
 @contextlib.contextmanager
