@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -37,8 +38,6 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 def finish_gloo(result: object, path: str) -> None:
     """Save a rank's ``result`` to ``path``, wait until every rank has saved its own, then
     leave the process group: a rank that dies in its teardown leaves every result whole."""
-    import torch
-
     torch.save(result, path)
     dist.barrier()
     dist.destroy_process_group()

@@ -443,7 +443,7 @@ def _tap_forward(slot: "_Slot", submodule: nn.Module, args: tuple) -> None:
     z = args[0] if args else None
     if isinstance(z, Tensor) and _wants_capture(capture, capture.module, z, saved_tensors.state()):
         slot.tapped = _GradTap()
-        z.register_hook(torch.compiler.disable(slot.tapped) if taps.blocked() else slot.tapped)  # (as in _capture_forward)
+        z.register_hook(_backward_hook(slot.tapped))
 
 
 def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -512,8 +512,13 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     if tap is not None:
         tap.call = on_output_grad
     elif isinstance(output, Tensor):
-        # under compiled autograd (taps.blocked) dynamo would trace the hook, freezing its Python state
-        output.register_hook(torch.compiler.disable(on_output_grad) if taps.blocked() else on_output_grad)
+        output.register_hook(_backward_hook(on_output_grad))
+
+
+def _backward_hook(hook: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+    """A Python tensor hook as registered: under compiled autograd (``taps.blocked``) dynamo
+    would trace it, freezing its Python state, so it is ``torch.compiler.disable``-d there."""
+    return torch.compiler.disable(hook) if taps.blocked() else hook
 
 
 def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tensor, ...]) -> Any:
