@@ -98,7 +98,14 @@ backward node: h from its saved means * mean_scale, s = its bias gradient.)doc",
            R"doc(As tap where the input's statistics (h, hn) were read in the forward: the hook
 computes s = channel_stats(grad, grad_dim, grad_square, grad_div, side) (the ATen reference
 for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
-           py::arg("output"), py::arg("h"), py::arg("hn"), py::arg("side") = false);
+           py::arg("output"), py::arg("h"), py::arg("hn"), py::arg("side") = false)
+      .def("tap_read",
+           [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
+              bool side) { lightning_cafin::tap_read(self, x, output, side); },
+           R"doc(As tap_gradient with (h, hn) read from x now: h = layer_stats' input sums of x
+(input_op, input_div) computed in this call on the current stream (the ATen reference for a
+CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.)doc",
+           py::arg("x"), py::arg("output"), py::arg("side") = false);
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

@@ -26,6 +26,7 @@ const char* kConv = "conv_input_stats: ";
 const char* kChan = "channel_stats: ";
 const char* kFac = "factor_update_: ";
 const char* kLayer = "layer_stats: ";
+const char* kInput = "input_stats: ";
 
 // A statistics op's input: a CUDA tensor the kernels read.
 void check_input(const at::Tensor& t, const char* op, const char* name) {
@@ -293,6 +294,20 @@ at::Tensor run_alone(const Plan& p, int64_t n_ws, const at::Tensor& like) {
   return out;
 }
 
+// Whether input_op is a convolution's ({1, ...}) or a channel sum's ({0, dim, square}); an error else.
+bool is_conv_op(const std::vector<int64_t>& input_op, const char* op) {
+  const bool conv = !input_op.empty() && input_op[0] == 1;
+  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), op,
+              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
+  return conv;
+}
+
+// A convolution's input_op {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}: a 3-D x is read as height 1.
+ConvPlan plan_conv_op(const at::Tensor& x, const std::vector<int64_t>& o) {
+  return plan_conv(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]}, o[9],
+                   {o[10], o[11]});
+}
+
 }  // namespace
 
 at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
@@ -315,6 +330,20 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   return run_alone(p, p.n_ws, t_in);
 }
 
+at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div) {
+  if (x.defined() && x.device().is_cpu()) return input_stats_reference(x, input_op, input_div);
+  check_input(x, kInput, "x");
+  const bool conv = is_conv_op(input_op, kInput);
+  const c10::NoGradGuard no_grad;
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (conv) {
+    const ConvPlan p = plan_conv_op(x, input_op);
+    return run_alone(p, p.n_ws(), x);
+  }
+  const ChannelPlan p = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+  return run_alone(p, p.n_ws, x);
+}
+
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
                                                const std::vector<int64_t>& input_op, double input_div,
                                                int64_t grad_dim, bool grad_square, double grad_div, bool side) {
@@ -323,9 +352,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   check_input(x, kLayer, "x");
   check_input(grad, kLayer, "grad");
   TORCH_CHECK(x.device() == grad.device(), kLayer, "x and grad must be on one device");
-  const bool conv = !input_op.empty() && input_op[0] == 1;
-  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), kLayer,
-              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
+  const bool conv = is_conv_op(input_op, kLayer);
   const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
   // one ordering for both ops, one allocation for both results and one for both
@@ -337,9 +364,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   ConvPlan pc;
   ChannelPlan px;
   if (conv) {
-    const auto& o = input_op;
-    pc = plan_conv(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]}, o[9],
-                   {o[10], o[11]});
+    pc = plan_conv_op(x, input_op);
   } else {
     px = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
   }

@@ -35,6 +35,10 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
 // to layer_stats_reference; the gradient-only taps (capture_tap.h) call
 // channel_stats_reference for CPU gradients.
 at::Tensor channel_stats_reference(const at::Tensor& t, int64_t dim, bool square, double divisor);
+// layer_stats' h alone, now, on the current stream: x read in the forward where it may not
+// last until the backward (capture_tap.h's tap_read).  CPU tensors take the reference.
+at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div);
+at::Tensor input_stats_reference(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div);
 std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
                                                          const std::vector<int64_t>& input_op, double input_div,
                                                          int64_t grad_dim, bool grad_square, double grad_div);

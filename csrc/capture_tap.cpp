@@ -14,6 +14,7 @@ namespace {
 
 const char* kTap = "TapPlan.tap: ";
 const char* kGradTap = "TapPlan.tap_gradient: ";
+const char* kReadTap = "TapPlan.tap_read: ";
 
 struct Tap {
   std::shared_ptr<const TapPlan> plan;
@@ -94,6 +95,21 @@ bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& outp
   return true;
 }
 
+// The gradient-only tap (tap_gradient, tap_read): s from the gradient, added with h, once per graph.
+void register_gradient_tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h,
+                           double hn, bool side) {
+  auto held = std::make_shared<GradientTap>(GradientTap{plan, h, hn, side});
+  output.register_hook([held](const at::TensorBase& grad_base) {
+    if (held->fired || !grad_base.defined()) return;  // a second backward through a retained graph
+    held->fired = true;
+    const at::Tensor grad(grad_base);
+    const TapPlan& p = *held->plan;
+    at::Tensor s = grad.device().is_cpu() ? channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div)
+                                          : channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, held->side);
+    p.sink->add({held->h, held->hn, std::move(s), p.sn});
+  });
+}
+
 void check_tap_args(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const char* op) {
   TORCH_CHECK(plan != nullptr, op, "plan must be a TapPlan, got None");
   TORCH_CHECK(output.defined(), op, "output must be a tensor");
@@ -155,16 +171,13 @@ void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& 
                   bool side) {
   check_tap_args(plan, output, kGradTap);
   TORCH_CHECK(h.defined(), kGradTap, "h must be a tensor");
-  auto held = std::make_shared<GradientTap>(GradientTap{plan, h, hn, side});
-  output.register_hook([held](const at::TensorBase& grad_base) {
-    if (held->fired || !grad_base.defined()) return;  // a second backward through a retained graph
-    held->fired = true;
-    const at::Tensor grad(grad_base);
-    const TapPlan& p = *held->plan;
-    at::Tensor s = grad.device().is_cpu() ? channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div)
-                                          : channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, held->side);
-    p.sink->add({held->h, held->hn, std::move(s), p.sn});
-  });
+  register_gradient_tap(plan, output, h, hn, side);
+}
+
+void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
+  check_tap_args(plan, output, kReadTap);
+  TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
+  register_gradient_tap(plan, output, input_stats(x, plan->input_op, plan->input_div), plan->hn, side);
 }
 
 }  // namespace lightning_cafin

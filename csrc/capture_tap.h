@@ -80,5 +80,9 @@ struct TapPlan {
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
                   bool side);
+// As tap_gradient with h = input_stats(x, input_op, input_div) computed now, on the current
+// stream (hn: the plan's): for an x that may change or be gone by the backward (a layer
+// computing on a cast copy of it, a frozen weight, saved-tensor hooks), read in one call.
+void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 
 }  // namespace lightning_cafin

@@ -83,6 +83,11 @@ def note_compiled_autograd_config() -> None:
     _CompiledAutograd.configured = bool(config is not None and getattr(config, "compiled_autograd", False))
 
 
+def usable() -> bool:
+    """Taps on and not blocked: what every captured layer's forward asks, in one call."""
+    return _switch.get() and not blocked()
+
+
 def blocked() -> bool:
     """Whether the backward may run under compiled autograd, which cannot call C++ taps:
     it is enabled now, or configured (as of the last optimizer step)."""

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cafin import AdaFisher
+from lightning_cafin import AdaFisher, no_capture
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture import taps
 from lightning_cafin.capture.layers import rule_for
@@ -285,6 +285,123 @@ def test_gradient_taps_where_the_input_is_read_in_the_forward(on_cpu, retain):
         assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
     for p, q in zip(tapped.parameters(), hooked.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.fixture
+def on_cpu_bf16(on_cpu, ext, monkeypatch):
+    """As ``on_cpu``, the extension also seen for bfloat16 CPU tensors (an autocast layer's
+    float32 input and bfloat16 output), counting the statistics ops the Python hooks call."""
+    stand_in = ck.ext_for(torch.zeros(1))
+    counted = types.SimpleNamespace(**vars(stand_in))
+
+    def channel_stats(*args):
+        on_cpu.append("channel_stats")
+        return fake_channel_stats(*args)
+
+    counted.channel_stats = channel_stats
+    monkeypatch.setattr(ck, "ext_for", lambda *t: counted if all(v.dtype in (torch.float32, torch.bfloat16) for v in t) else None)
+    return on_cpu
+
+
+def _train_autocast(model, taps_on):
+    taps.set_enabled(taps_on)
+    torch.manual_seed(1)
+    opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(7, 6))
+        nn.functional.cross_entropy(out.float(), torch.randint(0, 3, (7,))).backward()
+        opt.step()
+    return opt
+
+
+def test_a_layer_computing_on_an_autocast_copy_reads_its_input_in_the_tap_call(on_cpu_bf16):
+    """Under autocast a Linear computes on a bfloat16 copy of its float32 input, so the input
+    is read in the forward: by the tap's own call (``TapPlan.tap_read``), not by a Python
+    statistics op beside it; the factors are the Python hooks'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train_autocast(hooked, False)
+    python_ops = len(on_cpu_bf16)
+    assert python_ops > 0  # the Python hooks' own statistics ops, counted
+    got = _train_autocast(tapped, True)
+    assert len(on_cpu_bf16) == python_ops  # no statistics op called from Python with the taps
+    for name, cap in got.binding.captures.items():
+        assert cap.sink is not None, name
+        want = ref.binding.captures[name]
+        torch.testing.assert_close(cap.H, want.H, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(cap.S, want.S, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _capture_forward(model, opt):
+    """A capture step's forward and loss (for the caller to run the backward of)."""
+    opt.capture_next_step()
+    opt.zero_grad()
+    return nn.functional.cross_entropy(model(torch.randn(4, 3, 6, 6)), torch.randint(0, 5, (4,)))
+
+
+def test_a_layer_with_its_plan_kept_still_takes_no_tap_where_the_forward_differs(on_cpu):
+    """Once a layer's tap plan is kept, a capture forward registers the tap in fewer calls,
+    but only where every check of the general path holds: inside ``no_capture()`` or with
+    taps turned off, each forward is decided as before (a saved-tensor hook: below)."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _train(model, 1, taps_on=True)  # the plans are made and kept
+    caps = opt.binding.captures
+    tapped = [c for c in caps.values() if c.sink is not None]
+    assert len(tapped) == 5 and all(len(c.tap_plans) == 1 for c in tapped)
+
+    with no_capture():
+        loss = _capture_forward(model, opt)
+    assert all(c.taps_out == 0 and c.excluded_forwards == 1 for c in caps.values())
+    loss.backward()
+    opt.step()
+
+    with taps.using(False):
+        loss = _capture_forward(model, opt)
+        assert all(c.taps_out == 0 for c in caps.values())
+        loss.backward()
+    assert all(len(c.sink) == 0 and c.pending.calls == 1 for c in tapped)  # the Python hooks' pairs
+    opt.step()
+
+
+class _ChangedAfterUse(nn.Module):
+    """``fc2``'s input is changed in place after ``fc2`` used it: legal where a saved-tensor
+    hook keeps copies, and the reason a layer then reads its input in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(h)
+        h.mul_(3.0)
+        return out
+
+
+def test_under_a_saved_tensor_hook_a_kept_plan_still_reads_the_input_in_the_forward(on_cpu):
+    torch.manual_seed(0)
+    model = _ChangedAfterUse()
+    runs = {}
+    for taps_on in (False, True):
+        taps.set_enabled(taps_on)
+        net = copy.deepcopy(model)
+        torch.manual_seed(1)
+        opt = AdaFisher(net, lr=1e-2, TCov=1, backend="foreach")
+        for _ in range(3):  # the first capture makes the plans; the later ones find them kept
+            opt.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t):
+                loss = net(torch.randn(7, 6)).square().mean()
+            loss.backward()
+            opt.step()
+        runs[taps_on] = opt.binding.captures
+    assert all(c.sink is not None and c.tap_plans for c in runs[True].values())
+    for name, cap in runs[True].items():
+        want = runs[False][name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
 
 
 def test_a_second_backward_adds_no_pair_on_either_path(on_cpu):

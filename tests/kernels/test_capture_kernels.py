@@ -661,7 +661,7 @@ def test_layer_norm_taps_give_the_python_hooks_sums(ext, impl, autocast):
 @pytest.mark.parametrize("precision", ["fp32", "bf16-channels_last"])
 def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side):
     """The C++ gradient taps (``capture/taps.py``) on a ResNet: every layer tapped, and the
-    first capture's factors those of the Python hooks, which make the same
+    factors after two captures (plans made, then kept) those of the Python hooks, which make the same
     ``layer_stats`` calls (to 1e-6: cuDNN's backward need not be bitwise reproducible), except
     for the batch norms, whose taps take the norm's saved mean and bias gradient instead."""
     from lightning_cafin import AdaFisher
@@ -682,24 +682,62 @@ def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side)
             taps.set_enabled(tapped)
             model = copy.deepcopy(base)
             opt = AdaFisher(model, lr=1e-3, TCov=100, backend="fused")
-            with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
-                loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            caps = opt.binding.captures
-            # (under bf16 autocast the stem convolution computes on a cast copy of the float32
-            # image: its input's statistics are read in the forward, its tap takes the gradient's)
-            assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == (41 if tapped else 0)
-            # every batch norm's tap took its saved mean and bias gradient (cuDNN's backward node included)
-            norms = [c for c in caps.values() if isinstance(c.module, nn.BatchNorm2d)]
-            assert len(norms) == 20
-            assert [sum(p.norm_taps for p in c.tap_plans.values()) for c in norms] == [int(tapped)] * 20
-            opt.step()
-            assert opt.health["capture_steps"] == 1 and opt.health["non_finite_statistics"] == 0
+            for step in (1, 2):  # the first capture makes the tap plans, the second finds them kept
+                if step == 2:
+                    opt.capture_next_step()
+                with torch.autocast("cuda", torch.bfloat16, enabled=precision != "fp32"):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                caps = opt.binding.captures
+                # (under bf16 autocast the stem convolution computes on a cast copy of the float32
+                # image: its tap reads its input in the forward, TapPlan.tap_read, and the gradient after)
+                assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == (41 if tapped else 0)
+                # every batch norm's tap took its saved mean and bias gradient (cuDNN's backward node included)
+                norms = [c for c in caps.values() if isinstance(c.module, nn.BatchNorm2d)]
+                assert len(norms) == 20
+                assert [sum(p.norm_taps for p in c.tap_plans.values()) for c in norms] == [step * int(tapped)] * 20
+                opt.step()
+                assert opt.health["capture_steps"] == step and opt.health["non_finite_statistics"] == 0
             results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in caps.items()}
     finally:
         taps.set_enabled(before_taps)
         streams.set_enabled(before_side)
     assert results[False].keys() == results[True].keys() and len(results[True]) == 41
+    for n in results[False]:
+        close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
+        close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
+
+
+def test_linear_layers_on_an_autocast_copy_read_their_input_in_the_tap_call(ext, impl):
+    """A GPT block's Linear after a float32 LayerNorm computes, under bf16 autocast, on a
+    bf16 copy of its input: the tap reads the float32 input in the forward on the kernels
+    (``TapPlan.tap_read``); over two captures the factors are the Python hooks'."""
+    from lightning_cafin import AdaFisherW
+    from lightning_cafin.capture import taps
+
+    impl("kernels")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(DEV)
+    x = torch.randn(4, 32, 64, device=DEV)
+    results = {}
+    before = taps.set_enabled(False)
+    try:
+        for tapped in (False, True):
+            taps.set_enabled(tapped)
+            model = copy.deepcopy(base)
+            opt = AdaFisherW(model, lr=1e-3, TCov=1, backend="fused")
+            for _ in range(2):
+                opt.zero_grad()
+                with torch.autocast("cuda", torch.bfloat16):
+                    out = model(x)
+                assert out.dtype == torch.bfloat16
+                out.float().square().mean().backward()
+                assert sum(c.sink is not None and len(c.sink) == 1 for c in opt.binding.captures.values()) == 3 * tapped
+                opt.step()
+            results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
+    finally:
+        taps.set_enabled(before)
+    assert len(results[True]) == 3
     for n in results[False]:
         close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
         close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
