@@ -41,7 +41,7 @@ class CaptureSchedule:
         one call (with no skip flag in flight, nothing to settle)."""
         if self._deferred.in_flight:
             self.settle()
-        return self._forced or self.steps_taken % self.every == 0  # (due, without the property's call)
+        return self.due
 
     @property
     def may_be_due(self) -> bool:

@@ -451,8 +451,6 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     capture = slot.owner()
     if capture is None or capture.module is not module:
         return  # unbound, or a copy (copy.deepcopy of a model, e.g. an EMA, copies the hook dicts)
-    if tap is None and slot.tap is None and _tapped_usual(capture, module, args, output):
-        return
     where = saved_tensors.state()
     if slot.tap is not None:
         if tap is None:
@@ -541,33 +539,6 @@ def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
     call in the backward; False (nothing registered) elsewhere."""
     plan = _tap_plan(capture, x, output, (x, output))
     if plan is None:
-        return False
-    plan.tap(x, output, streams.side())
-    capture.taps_out += 1
-    return True
-
-
-def _tapped_usual(capture: LayerCapture, module: nn.Module, args: tuple, output: object) -> bool:
-    """The usual captured call, decided in one frame with as few calls as the checks allow
-    (the forward of a capture step is host-bound, and each call here costs the host about a
-    microsecond per layer there): a training layer of a capture step, its weight a registered
-    parameter needing its gradient, given a plain tensor of its output's dtype, no
-    saved-tensor hook or ``no_capture()`` block active, taps usable, and a plan kept for
-    these shapes (made by the general path's first such call).  Registers the C++ tap, as
-    :func:`_tapped` would there, and returns True; False where anything differs, and the
-    general path then decides the call as it always does."""
-    if not args or type(output) is not Tensor or not output.requires_grad or not module.training:
-        return False
-    x = args[0]
-    weight = module._parameters.get("weight")
-    if type(x) is not Tensor or x.dtype != output.dtype or weight is None or not weight.requires_grad:
-        return False
-    plan = capture.tap_plans.get((x.shape, output.shape))
-    if plan is None or not torch.is_grad_enabled() or not capture.is_capturing():
-        return False
-    if not saved_tensors.none_active() or exclusion.excluded() or not taps.usable():
-        return False
-    if _kernels.ext_for(x, output) is not capture.tap_ext:
         return False
     plan.tap(x, output, streams.side())
     capture.taps_out += 1

@@ -50,8 +50,3 @@ def state() -> str:
     pack = top[0]
     name = getattr(pack, "__qualname__", "")
     return RECOMPUTING if name.startswith("_recomputation_hook.") else ELSEWHERE
-
-
-def none_active() -> bool:
-    """Whether :func:`state` is ``NONE``, in one call (every captured layer's forward asks)."""
-    return _TOP is None or _TOP(False) is None

@@ -343,9 +343,8 @@ def _capture_forward(model, opt):
 
 
 def test_a_layer_with_its_plan_kept_still_takes_no_tap_where_the_forward_differs(on_cpu):
-    """Once a layer's tap plan is kept, a capture forward registers the tap in fewer calls,
-    but only where every check of the general path holds: inside ``no_capture()`` or with
-    taps turned off, each forward is decided as before (a saved-tensor hook: below)."""
+    """A kept tap plan decides nothing by itself: inside ``no_capture()`` or with taps
+    turned off, a layer whose plan is kept takes no tap (a saved-tensor hook: below)."""
     torch.manual_seed(0)
     model = _Net()
     opt = _train(model, 1, taps_on=True)  # the plans are made and kept
