@@ -90,7 +90,8 @@ grad_div, side), adds (h, hn, s, sn) to the sink and lets go of x (held detached
 then); a second backward through a retained graph adds nothing.  CPU tensors take
 layer_stats' ATen reference.  A norm's plan (mean_scale > 0) on a training batch norm's
 or a layer norm's output whose bias needs a gradient registers instead a post hook on its
-backward node: h from its saved means * mean_scale, s = its bias gradient.)doc",
+backward node: h from its saved means * mean_scale, s = its bias gradient (summed from its
+output gradient in a backward computing none).)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false)
       .def("tap_gradient",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& output, const at::Tensor& h, double hn,

@@ -53,10 +53,12 @@ struct NormTap final : torch::autograd::FunctionPostHook {
   NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m) : plan(std::move(p)), means(std::move(m)) {}
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grad_inputs,
-                                            const torch::autograd::variable_list& /*grad_outputs*/) override {
-    // no bias gradient in this backward (autograd.grad for other inputs): wait for one that has it;
+                                            const torch::autograd::variable_list& grad_outputs) override {
     // a second backward through a retained graph finds the means gone and adds nothing
-    if (!means.defined() || grad_inputs.size() < 3 || !grad_inputs[2].defined()) return grad_inputs;
+    if (!means.defined()) return grad_inputs;
+    const at::Tensor bias_grad = grad_inputs.size() >= 3 ? grad_inputs[2] : at::Tensor();
+    const at::Tensor grad = grad_outputs.empty() ? at::Tensor() : grad_outputs[0];
+    if (!bias_grad.defined() && !grad.defined()) return grad_inputs;
     const at::Tensor m = std::move(means);
     means = at::Tensor();
     const TapPlan& p = *plan;
@@ -71,7 +73,17 @@ struct NormTap final : torch::autograd::FunctionPostHook {
       }
       h = m.sum(dims, /*keepdim=*/false, at::kFloat).mul_(p.mean_scale);
     }
-    at::Tensor s = grad_inputs[2].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // not bias.grad itself
+    // s: the bias gradient, copied (not bias.grad itself); where this backward computes none
+    // (autograd.grad or backward(inputs=...) without the bias), the sum it would have been,
+    // from the output's gradient, as the ordinary tap takes it
+    at::Tensor s;
+    if (bias_grad.defined()) {
+      s = bias_grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    } else if (grad.device().is_cpu()) {
+      s = channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div);
+    } else {
+      s = channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, /*side=*/false);
+    }
     p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
     return grad_inputs;
   }

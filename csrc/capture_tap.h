@@ -23,8 +23,11 @@
 // dim), and its backward node returns the bias gradient.  So tap() registers a post hook
 // on the norm's backward node instead: h = the means (a layer norm's summed over every dim
 // but dim 1) * mean_scale, s = the node's bias gradient (copied: autograd may keep the
-// gradient tensor as bias.grad).  That hook belongs to this one call of the norm (a node
-// per forward), so two forwards before one backward add two pairs, as the tensor hooks do.
+// gradient tensor as bias.grad); in a backward that computes no bias gradient
+// (autograd.grad, or backward(inputs=...), without the bias) s is summed from the node's
+// output gradient instead, as the ordinary tap sums it.  That hook belongs to this one
+// call of the norm (a node per forward), so two forwards before one backward add two
+// pairs, as the tensor hooks do.
 // Where the output is not such a node's (SyncBatchNorm, GroupNorm, RMSNorm, a norm whose
 // bias is frozen or absent), tap() registers the ordinary tap.
 #pragma once

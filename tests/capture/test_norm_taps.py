@@ -5,7 +5,7 @@ bias gradient (``csrc/capture_tap.h``).
 Against the Python hooks (which read the activation and the gradient) on the CPU, with the
 extension's real ``TapPlan``: the same sums and factors for every such norm, shape and
 layout, over micro-batches, two forwards before one backward, a retained graph and a
-backward that does not reach the bias; and the ordinary tap where the shortcut does not
+backward that computes no bias gradient; and the ordinary tap where the shortcut does not
 apply (GroupNorm, RMSNorm, no bias, a 2-D layer norm, a frozen bias).
 """
 
@@ -182,20 +182,25 @@ def test_a_retained_graph_adds_nothing_and_the_sums_are_not_the_bias_gradient(on
     assert torch.equal(pending.s, s)
 
 
-def test_a_backward_that_does_not_reach_the_bias_waits_for_one_that_does(on_cpu):  # noqa: F811
-    """``autograd.grad`` for the input alone computes no bias gradient: the tap keeps waiting,
-    and the loss's backward then gives the same statistics as the Python hooks."""
+@pytest.mark.parametrize("backward", ["grad of the input, then the loss's backward", "backward for the weights alone"])
+def test_a_backward_computing_no_bias_gradient_sums_the_output_gradient(on_cpu, backward):  # noqa: F811
+    """``autograd.grad`` for the input, or ``backward(inputs=...)`` without the biases,
+    computes no bias gradient: the tap sums the norm's output gradient instead, in that
+    backward, as the Python hooks do (and a later backward through the graph adds nothing)."""
     torch.manual_seed(0)
     (x, y), = batches(1)
     x.requires_grad_(True)
 
     def backwards(m):
         loss = nn.functional.cross_entropy(m(x), y)
-        torch.autograd.grad(loss, x, retain_graph=True)
-        loss.backward()
+        if backward.startswith("grad"):
+            torch.autograd.grad(loss, x, retain_graph=True)
+            loss.backward()
+        else:
+            loss.backward(inputs=[getattr(m, n).weight for n in SHORTCUT])
 
-    sums, opt = sums_both_ways(Norms(), backwards, names=("bn2",))
-    assert norm_taps(opt, "bn2") == 1  # (the tapped run's: one tap, which fired in the loss's backward)
+    sums, opt = sums_both_ways(Norms(), backwards)
+    assert [norm_taps(opt, n) for n in SHORTCUT] == [1] * len(SHORTCUT)  # (the tapped run's)
     assert_same_sums(sums, 1)
 
 
