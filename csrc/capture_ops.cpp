@@ -294,14 +294,6 @@ at::Tensor run_alone(const Plan& p, int64_t n_ws, const at::Tensor& like) {
   return out;
 }
 
-// Whether input_op is a convolution's ({1, ...}) or a channel sum's ({0, dim, square}); an error else.
-bool is_conv_op(const std::vector<int64_t>& input_op, const char* op) {
-  const bool conv = !input_op.empty() && input_op[0] == 1;
-  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), op,
-              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
-  return conv;
-}
-
 // A convolution's input_op {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}: a 3-D x is read as height 1.
 ConvPlan plan_conv_op(const at::Tensor& x, const std::vector<int64_t>& o) {
   return plan_conv(x.dim() == 3 ? x.unsqueeze(2) : x, {o[1], o[2]}, {o[3], o[4]}, {o[5], o[6]}, {o[7], o[8]}, o[9],
@@ -309,6 +301,13 @@ ConvPlan plan_conv_op(const at::Tensor& x, const std::vector<int64_t>& o) {
 }
 
 }  // namespace
+
+bool is_conv_op(const std::vector<int64_t>& input_op, const char* op) {
+  const bool conv = !input_op.empty() && input_op[0] == 1;
+  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), op,
+              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
+  return conv;
+}
 
 at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,

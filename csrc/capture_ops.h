@@ -35,6 +35,9 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
 // to layer_stats_reference; the gradient-only taps (capture_tap.h) call
 // channel_stats_reference for CPU gradients.
 at::Tensor channel_stats_reference(const at::Tensor& t, int64_t dim, bool square, double divisor);
+// Whether input_op is a convolution's ({1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo})
+// or a channel sum's ({0, dim, square}); an error naming `op` else.
+bool is_conv_op(const std::vector<int64_t>& input_op, const char* op);
 // layer_stats' h alone, now, on the current stream: x read in the forward where it may not
 // last until the backward (capture_tap.h's tap_read).  CPU tensors take the reference.
 at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div);

@@ -62,15 +62,10 @@ at::Tensor window_sums(const at::Tensor& x_in, const std::vector<int64_t>& o) {
   return out;
 }
 
-void check_input_op(const std::vector<int64_t>& input_op) {
-  const bool conv = !input_op.empty() && input_op[0] == 1;
-  TORCH_CHECK((input_op.size() == 3 && input_op[0] == 0) || (conv && input_op.size() == 12), kRef,
-              "input_op must be {0, dim, square} or {1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo}");
-}
-
-// h from x by input_op (checked)
+// h from x by input_op (checked here)
 at::Tensor input_h(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div) {
-  return input_op[0] == 1 ? window_sums(x, input_op) : channel_sums(x, input_op[1], input_op[2] != 0, input_div);
+  return is_conv_op(input_op, kRef) ? window_sums(x, input_op)
+                                    : channel_sums(x, input_op[1], input_op[2] != 0, input_div);
 }
 
 }  // namespace
@@ -90,7 +85,6 @@ std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, co
     TORCH_CHECK(at::isFloatingType(t->scalar_type()), kRef, "x and grad must be floating point, got ",
                 dtype_name(t->scalar_type()));
   }
-  check_input_op(input_op);
   const c10::NoGradGuard no_grad;
   return {input_h(x, input_op, input_div), channel_sums(grad, grad_dim, grad_square, grad_div)};
 }
@@ -98,7 +92,6 @@ std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, co
 at::Tensor input_stats_reference(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div) {
   TORCH_CHECK(x.defined() && x.device().is_cpu() && at::isFloatingType(x.scalar_type()), kRef,
               "x must be a floating-point CPU tensor");
-  check_input_op(input_op);
   const c10::NoGradGuard no_grad;
   return input_h(x, input_op, input_div);
 }

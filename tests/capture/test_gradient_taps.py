@@ -435,6 +435,23 @@ def test_the_taps_refuse_an_output_without_grad(ext):
         plan.tap(x, x * 2)
     with pytest.raises(RuntimeError, match="TapPlan.tap_gradient: output must require grad"):
         plan.tap_gradient(x * 2, torch.ones(4), 3.0)
+    with pytest.raises(RuntimeError, match="TapPlan.tap_read: output must require grad"):
+        plan.tap_read(x, x * 2)
+
+
+def test_tap_read_reads_the_input_in_the_call_and_checks_its_input_op(ext):
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 2, requires_grad=True)
+    out = x.clone() @ w  # (autograd keeps the copy, as under autocast)
+    sink = ext.TapSink()
+    ext.TapPlan(sink, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0).tap_read(x, out)
+    want_h, want_s = ext.layer_stats(x.clone(), 2 * out.detach(), [0, 1, 1], 0.0, 1, True, 0.0, False)
+    x.zero_()  # changed after the call: the tap read it already
+    out.square().sum().backward()
+    ((h, hn, s, sn),) = sink.take()
+    assert (hn, sn) == (3.0, 3.0) and torch.equal(h, want_h) and torch.equal(s, want_s) and h.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="input_op must be"):
+        ext.TapPlan(ext.TapSink(), [2, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0).tap_read(x, x @ w)
     with pytest.raises(RuntimeError, match="TapPlan: sink must be a TapSink"):
         ext.TapPlan(None, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
 
