@@ -14,6 +14,9 @@ forced with ``capture_next_step``), it
   machine without a GPU: each CPU op's own time, a smoke run);
 * prints the kernels whose time per step a capture step changes most, the device time
   of the package's own kernels (``lightning_cafin::``) and what the others add;
+* times a forward's host cost per captured layer (``--reps`` interleaved rounds, medians):
+  a normal step's, a capture step's with every call declined inside ``no_capture()``
+  (what the armed hooks cost by themselves), with Python hooks and with the C++ taps;
 * profiles the host (``cProfile``) in a capture step's forward (with the loss) and in its
   ``optimizer.step()``, each from a synchronised device, and prints the functions that
   take the most of it (the bench's ``host`` says how much each phase adds per layer).
@@ -28,12 +31,14 @@ Each workload's report is printed and written to ``<out>/profile-capture-<worklo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
 import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,9 +47,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lightning_cafin import no_capture  # noqa: E402
 from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
 from lightning_cafin.bench.matrix import Trainer, adafisher  # noqa: E402
 from lightning_cafin.bench.timing import sync, time_ms  # noqa: E402
+from lightning_cafin.capture import taps  # noqa: E402
 from lightning_cafin.provenance import machine_name  # noqa: E402
 
 OURS = "lightning_cafin::"  # the namespace of the package's kernels in their names
@@ -122,6 +129,42 @@ def report(name: str, description: str, layers: int, device: torch.device, timin
     return lines
 
 
+#: the forwards ``host_forward_per_layer`` times: (label, a capture step?, the block it runs in)
+FORWARDS: tuple[tuple[str, bool, Callable[[], contextlib.AbstractContextManager]], ...] = (
+    ("normal step", False, contextlib.nullcontext),
+    ("capture step, every call declined (no_capture)", True, no_capture),
+    ("capture step, Python hooks", True, lambda: taps.using(False)),
+    ("capture step, C++ taps", True, lambda: taps.using(True)),
+)
+
+
+def host_forward_per_layer(trainer: Trainer, layers: int, reps: int) -> list[str]:
+    """Host microseconds per captured layer of a train step's forward (with the loss), from a
+    synchronised device, for each of ``FORWARDS`` in turn, ``reps`` rounds: what the armed
+    hooks cost by themselves, and what each way of taking the statistics adds to that."""
+    dev = trainer.device
+    times: dict[str, list[float]] = {label: [] for label, _, _ in FORWARDS}
+    for _ in range(reps):
+        for label, capture, block in FORWARDS:
+            with block():
+                sync(dev)
+                if capture:
+                    trainer.opt.capture_next_step()
+                t0 = time.perf_counter()
+                trainer.opt.zero_grad()
+                loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
+                t1 = time.perf_counter()
+                loss.backward()
+                trainer.opt.step()
+                sync(dev)
+            times[label].append((t1 - t0) * 1e6 / layers)
+    med = {label: statistics.median(v) for label, v in times.items()}
+    base = med[FORWARDS[0][0]]
+    lines = ["", f"host, a forward (with the loss) per captured layer, median of {reps} interleaved rounds:"]
+    lines += [f"  {label:48s} {us:8.1f} us  ({us - base:+.1f} above a normal step)" for label, us in med.items()]
+    return lines
+
+
 def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
     """The functions taking the most host time in ``steps`` capture steps' forwards and
     optimizer steps (each phase profiled from a synchronised device, the other not)."""
@@ -177,6 +220,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
         accumulate(normal, event_times(trainer, False, steps, device), steps)
         accumulate(capture, event_times(trainer, True, steps, device), steps)
     lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
+    lines += host_forward_per_layer(trainer, layers, reps)
     lines += host_profile(trainer, steps, min(top, 15))
     del trainer
     gc.collect()

@@ -35,6 +35,10 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     assert changes == sorted(changes, reverse=True)  # largest change first
     # the capture step's statistics are ops a normal step does not run at all
     assert any(float(r.split()[3]) == 0.0 and float(r.split()[1]) > 0 for r in rows), rows
+    # then a forward's host time per captured layer, each kind of step, interleaved
+    per_layer = re.findall(r"^  (.+?) +(\d+\.\d) us  \(([+-]\d+\.\d) above a normal step\)$", text, re.MULTILINE)
+    assert [label for label, _, _ in per_layer] == [label for label, _, _ in script.FORWARDS]
+    assert per_layer[0][2] in ("+0.0", "-0.0") and all(float(us) > 0 for _, us, _ in per_layer)
     # then the host profile of a capture step's forward (the capture hook among its functions) and step
     assert "host, a capture step's forward (with the loss)" in text and "host, a capture step's optimizer.step()" in text
     host = text.split("host, a capture step's forward", 1)[1]
