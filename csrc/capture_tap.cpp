@@ -28,6 +28,12 @@ struct GradientTap {
   bool side, fired = false;
 };
 
+// The gradient's sums by the plan's grad op (the ATen reference for a CPU gradient).
+at::Tensor gradient_sums(const TapPlan& p, const at::Tensor& grad, bool side) {
+  return grad.device().is_cpu() ? channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div)
+                                : channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, side);
+}
+
 // The means a norm saved for its backward, where `node` is the backward node of a
 // training-mode batch norm (native, cuDNN, MIOpen, with-update: per channel, 1-D) or of a
 // layer norm (per row: the input's shape with the normalised dims 1); undefined elsewhere.
@@ -76,14 +82,8 @@ struct NormTap final : torch::autograd::FunctionPostHook {
     // s: the bias gradient, copied (not bias.grad itself); where this backward computes none
     // (autograd.grad or backward(inputs=...) without the bias), the sum it would have been,
     // from the output's gradient, as the ordinary tap takes it
-    at::Tensor s;
-    if (bias_grad.defined()) {
-      s = bias_grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    } else if (grad.device().is_cpu()) {
-      s = channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div);
-    } else {
-      s = channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, /*side=*/false);
-    }
+    at::Tensor s = bias_grad.defined() ? bias_grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                                       : gradient_sums(p, grad, /*side=*/false);
     p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
     return grad_inputs;
   }
@@ -116,9 +116,7 @@ void register_gradient_tap(const std::shared_ptr<const TapPlan>& plan, const at:
     held->fired = true;
     const at::Tensor grad(grad_base);
     const TapPlan& p = *held->plan;
-    at::Tensor s = grad.device().is_cpu() ? channel_stats_reference(grad, p.grad_dim, p.grad_square, p.grad_div)
-                                          : channel_stats(grad, p.grad_dim, p.grad_square, p.grad_div, held->side);
-    p.sink->add({held->h, held->hn, std::move(s), p.sn});
+    p.sink->add({held->h, held->hn, gradient_sums(p, grad, held->side), p.sn});
   });
 }
 

@@ -495,7 +495,7 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # stream (on the side stream, a later in-place write on the current stream would
         # race with the read).
         x = x.detach()
-        if tap is None and isinstance(output, Tensor) and _tapped_reading(capture, x, output):
+        if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output, read_now=True):
             return
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
@@ -534,25 +534,15 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
     return None if ext is None else capture.tap_plan(ext, x, output)
 
 
-def _tapped(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
+def _tapped(capture: LayerCapture, x: Tensor, output: Tensor, read_now: bool = False) -> bool:
     """Register the layer's C++ gradient tap where the Python hook would make one extension
-    call in the backward; False (nothing registered) elsewhere."""
+    call in the backward; False (nothing registered) elsewhere.  ``read_now``: ``x`` may
+    change, or be gone, before the backward, so the tap's call reads it at once, on the
+    current stream (``TapPlan.tap_read``), and the backward sums the gradient only."""
     plan = _tap_plan(capture, x, output, (x, output))
     if plan is None:
         return False
-    plan.tap(x, output, streams.side())
-    capture.taps_out += 1
-    return True
-
-
-def _tapped_reading(capture: LayerCapture, x: Tensor, output: Tensor) -> bool:
-    """As :func:`_tapped` where ``x`` must be read now (it may change, or be gone, before
-    the backward): the tap computes the input's statistics in the call, on the current
-    stream, and the gradient's in the backward."""
-    plan = _tap_plan(capture, x, output, (x, output))
-    if plan is None:
-        return False
-    plan.tap_read(x, output, streams.side())
+    (plan.tap_read if read_now else plan.tap)(x, output, streams.side())
     capture.taps_out += 1
     return True
 
