@@ -62,6 +62,13 @@ once, x and grad marked as read there (join before reading the results).  CPU te
 (any floating dtype) are computed with ATen ops instead (the taps' reference).)doc",
         py::arg("x"), py::arg("grad"), py::arg("input_op"), py::arg("input_div"), py::arg("grad_dim"),
         py::arg("grad_square"), py::arg("grad_div"), py::arg("side") = false);
+  m.def("norm_stats", &lightning_cafin::norm_stats,
+        R"doc(A norm's capture statistics from its saved means and bias gradient: (h, s), float32,
+one allocation and (CUDA) one launch.  means: a batch norm's 1-D per-channel means, or a
+layer norm's per-row means (3 or more dims), summed over every dim but dim 1; h = that sum
+times float(mean_scale).  s = bias_grad (1-D) as a float32 copy.  CPU tensors are computed
+with ATen ops (the reference).)doc",
+        py::arg("means"), py::arg("bias_grad"), py::arg("mean_scale"));
   py::class_<lightning_cafin::TapSink, std::shared_ptr<lightning_cafin::TapSink>>(
       m, "TapSink", "One layer's statistics from the gradient taps fired since they were last taken.")
       .def(py::init<>())

@@ -97,6 +97,22 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
                                  cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
+// A norm's statistics from what its backward already has (capture_tap.h's NormTap), one
+// launch into one buffer: h[t] = float(mean_scale) * sum_{a, r} means[(a * T + t) * R + r]
+// (a batch norm's per-channel means: A = R = 1; a layer norm's per-row means, dense,
+// summed over every dim but dim 1), and s[i] = bias_grad[i] as float32.
+// ---------------------------------------------------------------------------
+struct NormStatsArgs {
+  const void* means;
+  const void* bias_grad;
+  int64_t A, T, R, n_bias;
+  float mean_scale;
+};
+
+cudaError_t launch_norm_stats(const NormStatsArgs& a, at::ScalarType means_dtype, at::ScalarType bias_dtype,
+                              float* h, float* s, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
 // The capture step's factor update, every layer in one launch (one block per layer).
 //
 // kind 0 (Linear, Conv2d):  H_raw[j] = h[j] * inv_hn (j < nh), H_raw[nh] = extra when

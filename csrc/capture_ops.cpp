@@ -27,6 +27,7 @@ const char* kChan = "channel_stats: ";
 const char* kFac = "factor_update_: ";
 const char* kLayer = "layer_stats: ";
 const char* kInput = "input_stats: ";
+const char* kNorm = "norm_stats: ";
 
 // A statistics op's input: a CUDA tensor the kernels read.
 void check_input(const at::Tensor& t, const char* op, const char* name) {
@@ -455,6 +456,40 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                                     static_cast<float>(c_new), nan_flags.data_ptr<int32_t>(), current_stream(h[0])),
                kFac);
   return nan_flags;
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const at::Tensor& bias_grad_in,
+                                              double mean_scale) {
+  if (means_in.defined() && bias_grad_in.defined() &&
+      (means_in.device().is_cpu() || !is_kernel_float(means_in.scalar_type()) ||
+       !is_kernel_float(bias_grad_in.scalar_type())))
+    return norm_stats_reference(means_in, bias_grad_in, mean_scale);
+  check_input(means_in, kNorm, "means");
+  check_input(bias_grad_in, kNorm, "bias_grad");
+  TORCH_CHECK(means_in.device() == bias_grad_in.device(), kNorm, "means and bias_grad must be on one device");
+  TORCH_CHECK(means_in.dim() == 1 || means_in.dim() >= 3, kNorm,
+              "means must be 1-D (a batch norm's) or have 3 or more dims (a layer norm's per row), got ",
+              num(static_cast<int64_t>(means_in.dim())), " dims");
+  TORCH_CHECK(bias_grad_in.dim() == 1, kNorm, "bias_grad must be 1-D, got ", num(static_cast<int64_t>(bias_grad_in.dim())),
+              " dims");
+  const c10::NoGradGuard no_grad;
+  const c10::cuda::CUDAGuard guard(means_in.device());
+  const at::Tensor means = means_in.contiguous(), bias_grad = bias_grad_in.contiguous();
+  NormStatsArgs a{};
+  a.means = means.data_ptr();
+  a.bias_grad = bias_grad.data_ptr();
+  const bool per_channel = means.dim() == 1;
+  a.A = per_channel ? 1 : means.size(0);
+  a.T = per_channel ? means.size(0) : means.size(1);
+  a.R = (a.A == 0 || a.T == 0) ? 0 : means.numel() / (a.A * a.T);
+  a.n_bias = bias_grad.numel();
+  a.mean_scale = static_cast<float>(mean_scale);
+  const int64_t off_s = aligned(a.T);
+  at::Tensor out = new_f32(off_s + a.n_bias, means);  // [h | s]
+  float* o = out.data_ptr<float>();
+  check_launch(launch_norm_stats(a, means.scalar_type(), bias_grad.scalar_type(), o, o + off_s, current_stream(means)),
+               kNorm);
+  return {out.narrow(0, 0, a.T), out.narrow(0, off_s, a.n_bias)};
 }
 
 }  // namespace lightning_cafin

@@ -46,6 +46,16 @@ std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, co
                                                          const std::vector<int64_t>& input_op, double input_div,
                                                          int64_t grad_dim, bool grad_square, double grad_div);
 
+// A norm's capture statistics from its saved means and its bias gradient (capture_tap.h's
+// NormTap), (h, s) float32 in one allocation and, on CUDA, one launch: h = the means summed
+// over every dim but their channel dim (dim 0 of a batch norm's 1-D means, dim 1 of a layer
+// norm's per-row means), times float(mean_scale); s = bias_grad as float32 (a copy, never
+// bias_grad itself).  CPU tensors, and dtypes the kernels do not read, take
+// norm_stats_reference (ATen ops, any device).
+std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means, const at::Tensor& bias_grad, double mean_scale);
+std::tuple<at::Tensor, at::Tensor> norm_stats_reference(const at::Tensor& means, const at::Tensor& bias_grad,
+                                                        double mean_scale);
+
 // The capture step's factor update for every layer at once (one launch per 56 layers).
 // Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).
 at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,

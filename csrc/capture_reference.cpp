@@ -96,4 +96,24 @@ at::Tensor input_stats_reference(const at::Tensor& x, const std::vector<int64_t>
   return input_h(x, input_op, input_div);
 }
 
+std::tuple<at::Tensor, at::Tensor> norm_stats_reference(const at::Tensor& means, const at::Tensor& bias_grad,
+                                                        double mean_scale) {
+  TORCH_CHECK(means.defined() && bias_grad.defined() && at::isFloatingType(means.scalar_type()) &&
+                  at::isFloatingType(bias_grad.scalar_type()),
+              "norm_stats: means and bias_grad must be floating-point tensors");
+  TORCH_CHECK(means.dim() >= 1 && bias_grad.dim() == 1, "norm_stats: means must have a dim and bias_grad be 1-D, got ",
+              num(static_cast<int64_t>(means.dim())), " and ", num(static_cast<int64_t>(bias_grad.dim())), " dims");
+  const c10::NoGradGuard no_grad;
+  at::Tensor h;
+  if (means.dim() == 1) {  // a batch norm's per-channel means
+    h = means.to(at::kFloat).mul(mean_scale);
+  } else {  // a layer norm's per-row means, summed over every dim but dim 1
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d < means.dim(); ++d)
+      if (d != 1) dims.push_back(d);
+    h = means.sum(dims, /*keepdim=*/false, at::kFloat).mul_(mean_scale);
+  }
+  return {h, bias_grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)};
+}
+
 }  // namespace lightning_cafin

@@ -551,6 +551,31 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList
   }
 }
 
+// One warp per entry of h (lanes stride over the A * R summed values), then one thread per
+// entry of s, in blocks after h's (capture_launch.h, NormStatsArgs).
+constexpr int kNormWarps = kCaptureBlock / 32;
+
+template <typename TM, typename TB>
+__global__ void __launch_bounds__(kCaptureBlock) norm_stats_kernel(NormStatsArgs a, int64_t h_blocks,
+                                                                   float* __restrict__ h, float* __restrict__ s) {
+  if (static_cast<int64_t>(blockIdx.x) < h_blocks) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
+    if (t >= a.T) return;  // (whole warps)
+    const TM* m = static_cast<const TM*>(a.means);
+    const int64_t n = a.A * a.R;
+    float acc = 0.f;
+    for (int64_t i = threadIdx.x % 32; i < n; i += 32) {
+      const int64_t row = i / a.R;
+      acc += to_float(m[(row * a.T + t) * a.R + (i - row * a.R)]);
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x % 32 == 0) h[t] = __fmul_rn(acc, a.mean_scale);
+    return;
+  }
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) - h_blocks) * kCaptureBlock + threadIdx.x;
+  if (i < a.n_bias) s[i] = to_float(static_cast<const TB*>(a.bias_grad)[i]);
+}
+
 // ---------------------------------------------------------------------------
 // Grid sizes.
 // ---------------------------------------------------------------------------
@@ -656,6 +681,21 @@ cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, fl
   return launch_items<FactorList>(items, static_cast<size_t>(n), OneUnitEach{}, [&](const FactorList& list, int layers) {
     factor_update_kernel<<<layers, kCaptureBlock, 0, stream>>>(list, c_old, c_new, nan_flags);
     return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_norm_stats(const NormStatsArgs& a, at::ScalarType means_dtype, at::ScalarType bias_dtype, float* h,
+                              float* s, cudaStream_t stream) {
+  const int64_t h_blocks = (a.T + kNormWarps - 1) / kNormWarps;
+  const int64_t blocks = h_blocks + (a.n_bias + kCaptureBlock - 1) / kCaptureBlock;
+  if (blocks == 0) return cudaSuccess;
+  return dispatch_float_dtype(means_dtype, [&](auto* m_tag) -> cudaError_t {
+    return dispatch_float_dtype(bias_dtype, [&](auto* b_tag) -> cudaError_t {
+      using TM = std::remove_pointer_t<decltype(m_tag)>;
+      using TB = std::remove_pointer_t<decltype(b_tag)>;
+      norm_stats_kernel<TM, TB><<<static_cast<unsigned>(blocks), kCaptureBlock, 0, stream>>>(a, h_blocks, h, s);
+      return cudaGetLastError();
+    });
   });
 }
 

@@ -69,21 +69,12 @@ struct NormTap final : torch::autograd::FunctionPostHook {
     means = at::Tensor();
     const TapPlan& p = *plan;
     at::NoGradGuard no_grad;  // a backward with create_graph=True records nothing of this
-    at::Tensor h;
-    if (m.dim() == 1) {  // a batch norm's per-channel means
-      h = m.to(at::kFloat).mul(p.mean_scale);
-    } else {  // a layer norm's per-row means, summed over every dim but dim 1
-      std::vector<int64_t> dims;
-      for (int64_t d = 0; d < m.dim(); ++d) {
-        if (d != 1) dims.push_back(d);
-      }
-      h = m.sum(dims, /*keepdim=*/false, at::kFloat).mul_(p.mean_scale);
-    }
-    // s: the bias gradient, copied (not bias.grad itself); where this backward computes none
-    // (autograd.grad or backward(inputs=...) without the bias), the sum it would have been,
-    // from the output's gradient, as the ordinary tap takes it
-    at::Tensor s = bias_grad.defined() ? bias_grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                                       : gradient_sums(p, grad, /*side=*/false);
+    // h from the means, s the bias gradient copied (not bias.grad itself), in one launch;
+    // where this backward computes no bias gradient (autograd.grad or backward(inputs=...)
+    // without the bias), s is the sum it would have been, from the output's gradient, as
+    // the ordinary tap takes it
+    auto [h, s] = norm_stats(m, bias_grad.defined() ? bias_grad : at::empty({0}, m.options()), p.mean_scale);
+    if (!bias_grad.defined()) s = gradient_sums(p, grad, /*side=*/false);
     p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
     return grad_inputs;
   }

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import StepBackend, StepBatch, StepHyper
-from .layout import layout_reason, memory_columns, permuted_factor
+from .layout import MemoryOrderCopies, layout_reason, memory_columns
 from .state import ensure_state
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,16 +57,15 @@ class KernelGroup:
     H: list[Optional[Tensor]] = field(default_factory=list)
     col_offsets: list[int] = field(default_factory=list)
     ncols: list[int] = field(default_factory=list)
-    #: entries reading a memory-ordered copy of ``H``: (entry, the live ``H``, column offset, order on the device)
-    permuted: list[tuple[int, Tensor, int, Tensor]] = field(default_factory=list)
+    #: memory-ordered copies of ``H`` for the entries walked in memory order (layout.py)
+    permuted: MemoryOrderCopies = field(default_factory=MemoryOrderCopies)
     #: the factors version the copies in ``permuted`` were made from
     factors_version: int = -1
 
     def refresh(self, factors_version: int) -> None:
         """Rewrite the memory-ordered ``H`` copies in place once the factors changed."""
-        if self.permuted and factors_version != self.factors_version:
-            for j, H, col_offset, order in self.permuted:
-                permuted_factor(H, col_offset, order, out=self.H[j])
+        if len(self.permuted) and factors_version != self.factors_version:
+            self.permuted.refresh()
         self.factors_version = factors_version
 
 
@@ -125,6 +124,7 @@ class FusedBackend(StepBackend):
             if len(lst) != n:
                 raise ValueError(f"FusedBackend: batch.{name} has {len(lst)} entries, batch.params has {n}")
         groups: dict[tuple, KernelGroup] = {}
+        in_memory: list[tuple[KernelGroup, int]] = []  # (group, entry) of each memory-ordered copy, in order
         for i, (p, m, k, view) in enumerate(zip(batch.params, batch.exp_avgs, batch.steps, batch.views)):
             _check_entry(i, p, m, k, self.unsupported_reason(p))
             gkey = (p.device, p.dtype, m.dtype)
@@ -150,14 +150,17 @@ class FusedBackend(StepBackend):
                         )
                 group.S.append(view.S)
                 if in_memory_order:  # a copy, refreshed by step() whenever the factors change
-                    order = memory_columns(p).to(p.device)
-                    group.permuted.append((len(group.H), view.H, int(view.col_offset), order))
-                    group.H.append(permuted_factor(view.H, int(view.col_offset), order))
+                    group.permuted.add(view.H, int(view.col_offset), memory_columns(p))
+                    group.H.append(None)  # (the copy, once every entry is planned: below)
                     group.col_offsets.append(0)  # the copy holds the parameter's segment alone
+                    in_memory.append((group, len(group.H) - 1))
                 else:
                     group.H.append(view.H)
                     group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
+        copies = {id(g): iter(g.permuted.copies()) for g in groups.values() if len(g.permuted)}
+        for group, j in in_memory:
+            group.H[j] = next(copies[id(group)])
         return list(groups.values())
 
     # ------------------------------------------------------------------- step

@@ -70,11 +70,56 @@ def memory_columns(t: Tensor) -> Tensor:
     return in_memory.as_strided((ncols,), (1,)).clone()
 
 
-def permuted_factor(H: Tensor, col_offset: int, perm: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """The parameter's segment ``H[col_offset : col_offset + len(perm)]`` in memory order
-    (read from offset 0; written into ``out`` when given, so a kept buffer is refreshed
-    in place by one gather)."""
-    segment = H[col_offset : col_offset + perm.numel()]
-    if out is None or out.shape != perm.shape or out.device != H.device or out.dtype != H.dtype:
-        out = torch.empty(perm.shape, dtype=H.dtype, device=H.device)
-    return torch.index_select(segment, 0, perm.to(H.device), out=out)
+class MemoryOrderCopies:
+    """Parameters' segments of ``H`` in memory order (``H_mem[j_mem] = H[col_offset +
+    j_logical]``), each a view of one buffer, all refreshed by one gather.
+
+    Every capture step rewrites the factors in place, so every copy is rewritten then.  A
+    channels_last network has one such conv weight per layer; one ``index_select`` each was
+    a launch and its host dispatch per layer on every capture step (17 on a ResNet), where
+    concatenating the segments and gathering them at once is two launches, whatever the
+    count.  The gather's index (every order, shifted to its segment's place in the
+    concatenation) is made once, on the device."""
+
+    def __init__(self) -> None:
+        self._sources: list[tuple[Tensor, int, int]] = []  # (the live H, column offset, columns)
+        self._orders: list[Tensor] = []
+        self._buffer: Optional[Tensor] = None
+        self._index: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def add(self, H: Tensor, col_offset: int, order: Tensor) -> None:
+        """One more parameter: its columns ``order`` (``memory_columns``) of ``H`` from ``col_offset``."""
+        if self._buffer is not None:
+            raise RuntimeError("MemoryOrderCopies.add: the copies were already made (add every parameter first)")
+        self._sources.append((H, int(col_offset), order.numel()))
+        self._orders.append(order)
+
+    def copies(self) -> list[Tensor]:
+        """The copies, in the order added, filled from the factors as they are now."""
+        if self._buffer is None:
+            if not self._sources:
+                return []
+            device, dtype = self._sources[0][0].device, self._sources[0][0].dtype
+            shifted, start = [], 0
+            for order, (_, _, n) in zip(self._orders, self._sources):
+                shifted.append(order.to(device) + start)
+                start += n
+            self._index = torch.cat(shifted)
+            self._buffer = torch.empty(start, dtype=dtype, device=device)
+        self.refresh()
+        views, start = [], 0
+        for _, _, n in self._sources:
+            views.append(self._buffer[start : start + n])
+            start += n
+        return views
+
+    def refresh(self) -> None:
+        """Rewrite every copy in place from the factors (two launches: cat, gather)."""
+        if self._buffer is None:
+            return
+        segments = [H[o : o + n] for H, o, n in self._sources]
+        source = segments[0] if len(segments) == 1 else torch.cat(segments)
+        torch.index_select(source, 0, self._index, out=self._buffer)

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_cafin import AdaFisher, AdaFisherW
 from lightning_cafin.backends.base import FactorView
 from lightning_cafin.backends.fused import FusedBackend
-from lightning_cafin.backends.layout import dense_in_memory, layout_reason, memory_columns, permuted_factor
+from lightning_cafin.backends.layout import MemoryOrderCopies, dense_in_memory, layout_reason, memory_columns
 
 D = torch.float64
 
@@ -50,21 +50,40 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_permuted_columns_give_the_logical_fisher_in_memory_order(layout):
-    p = LAYOUTS[layout]()
+    """Two parameters' copies (one at an offset into its H, beside a bias column) made as one
+    buffer: each gives the logical F read in memory order, and again once their factors
+    were rewritten in place and the copies refreshed (in place)."""
+    p, other = LAYOUTS[layout](), LAYOUTS["channels_last"]()
     rows, ncols = p.shape[0], p.numel() // p.shape[0]
     S = torch.rand(rows, dtype=D)
     H = torch.rand(ncols + 1, dtype=D)  # a bias column after the weight's, as a conv layer has
-    H_mem = permuted_factor(H, 0, memory_columns(p))
-    assert layout_reason(p) is None
+    H2 = torch.rand(other.numel() // other.shape[0] + 3, dtype=D)  # the other's segment from column 3
+    copies = MemoryOrderCopies()
+    copies.add(H, 0, memory_columns(p))
+    copies.add(H2, 3, memory_columns(other))
+    H_mem, H2_mem = copies.copies()
+    assert layout_reason(p) is None and len(copies) == 2
     assert H_mem.shape == (ncols,)  # the weight's segment alone (the bias column is not its)
-    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), in_memory_order(FactorView(S, H, 0, ncols), p))
+    assert H_mem.untyped_storage().data_ptr() == H2_mem.untyped_storage().data_ptr()  # one buffer
+    S2 = torch.rand(other.shape[0], dtype=D)
+    n2 = other.numel() // other.shape[0]
+
+    def assert_logical():
+        assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), in_memory_order(FactorView(S, H, 0, ncols), p))
+        assert torch.equal(kernel_fisher(S2, H2_mem, 0, n2, 1e-3, other.numel()),
+                           in_memory_order(FactorView(S2, H2, 3, n2), other))
+
+    assert_logical()
     if layout == "contiguous":
         assert torch.equal(H_mem, H[:ncols])
-    # a kept buffer is refreshed in place, from a segment at an offset
-    H2 = torch.rand(ncols + 3, dtype=D)
-    again = permuted_factor(H2, 3, memory_columns(p), out=H_mem)
-    assert again.data_ptr() == H_mem.data_ptr()
-    assert torch.equal(kernel_fisher(S, H_mem, 0, ncols, 1e-3, p.numel()), in_memory_order(FactorView(S, H2, 3, ncols), p))
+    H.uniform_()  # a capture step rewrites the factors in place
+    H2.uniform_()
+    before = H_mem.data_ptr()
+    copies.refresh()
+    assert H_mem.data_ptr() == before
+    assert_logical()
+    with pytest.raises(RuntimeError, match="add every parameter first"):
+        copies.add(H, 0, memory_columns(p))
 
 
 def test_layouts_the_kernel_cannot_walk_are_named():

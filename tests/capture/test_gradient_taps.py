@@ -125,24 +125,31 @@ def _train(model, steps, taps_on, micro_batches=1):
     return opt
 
 
-def test_taps_give_the_python_hooks_factors_and_weights(on_cpu):
+@pytest.mark.parametrize("steps", [1, 3])
+def test_taps_give_the_python_hooks_factors_and_weights(on_cpu, steps):
+    """The first capture: the same layer_stats call on both paths, bitwise, and the norms'
+    sums from autograd's (test_norm_taps.py) equal up to rounding.  Later captures see weights
+    that those roundings (through the factors) moved by ~1e-7, so every layer is then equal
+    up to rounding: whether a rounding shows in a later float32 sum depends on the CPU's
+    vector kernels."""
     torch.manual_seed(0)
     model = _Net()
     hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
-    ref = _train(hooked, 3, taps_on=False)
+    ref = _train(hooked, steps, taps_on=False)
     python_calls = on_cpu.count("layer_stats")
-    got = _train(tapped, 3, taps_on=True)
+    got = _train(tapped, steps, taps_on=True)
     fusable = {"conv", "bn", "conv1d", "ln", "fc"}
-    assert python_calls == 3 * len(fusable)
+    assert python_calls == steps * len(fusable)
     assert on_cpu.count("layer_stats") == python_calls  # no Python hook called it for the tapped run
     norms = {"bn", "ln"}  # their taps take autograd's sums (test_norm_taps.py): equal up to rounding
     for name, cap in got.binding.captures.items():
         assert (cap.sink is not None) == (name in fusable), name
         want = ref.binding.captures[name]
-        if name in norms:
-            torch.testing.assert_close(cap.H, want.H, rtol=1e-6, atol=1e-8, msg=name)
-            torch.testing.assert_close(cap.S, want.S, rtol=1e-6, atol=1e-8, msg=name)
-        else:  # the same layer_stats call on both paths
+        if name in norms or steps > 1:
+            rtol = 1e-6 if steps == 1 else 1e-5
+            torch.testing.assert_close(cap.H, want.H, rtol=rtol, atol=1e-8, msg=name)
+            torch.testing.assert_close(cap.S, want.S, rtol=rtol, atol=1e-8, msg=name)
+        else:  # the same layer_stats call on both paths, on the same weights
             assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
     for p, q in zip(tapped.parameters(), hooked.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

@@ -226,3 +226,28 @@ def test_a_backward_building_a_graph_records_nothing_of_the_sums(on_cpu):  # noq
         pending = opt.binding.captures[name].pending
         assert pending.calls == 1 and not pending.h.requires_grad and not pending.s.requires_grad, name
     assert all(g.requires_grad for g in grads)  # (the gradients themselves do carry the graph)
+
+
+@pytest.mark.parametrize("means_shape", [(5,), (3, 7, 1), (2, 4, 5, 1), (2, 3, 4, 2)])
+def test_norm_stats_on_the_cpu_sums_the_means_and_copies_the_bias_gradient(ext, means_shape):  # noqa: F811
+    """The op the norm tap makes one launch of, on the CPU (its reference): h = the means summed
+    over every dim but the channel dim (0 of a batch norm's 1-D means, 1 of a layer norm's
+    per-row means) times the scale, s = the bias gradient as a float32 copy."""
+    torch.manual_seed(0)
+    means = torch.randn(means_shape, dtype=torch.float64)
+    bias_grad = torch.randn(6, dtype=torch.bfloat16)
+    h, s = ext.norm_stats(means, bias_grad, 0.25)
+    dims = [d for d in range(means.dim()) if d != (0 if means.dim() == 1 else 1)]
+    want = means.float() * 0.25 if not dims else means.sum(dims, dtype=torch.float32) * 0.25
+    assert h.dtype == s.dtype == torch.float32
+    torch.testing.assert_close(h, want, rtol=1e-6, atol=0)
+    assert torch.equal(s, bias_grad.float())
+    bias_grad.zero_()
+    assert s.abs().sum() > 0  # a copy: the bias gradient accumulating later does not change it
+
+
+def test_norm_stats_names_a_bad_argument(ext):  # noqa: F811
+    with pytest.raises(RuntimeError, match="bias_grad be 1-D"):
+        ext.norm_stats(torch.randn(4), torch.randn(2, 2), 1.0)
+    with pytest.raises(RuntimeError, match="floating-point"):
+        ext.norm_stats(torch.arange(4), torch.randn(4), 1.0)

@@ -548,6 +548,33 @@ def test_layer_stats_raises_clear_errors(ext):
         ext.layer_stats(t, t, [0, 7, 1], 0.0, -1, True, 0.0)
 
 
+@pytest.mark.parametrize("means_shape", [(64,), (1000,), (16, 512, 1), (3, 7, 1), (2, 5, 9, 3), (0, 4, 1)])
+@pytest.mark.parametrize("means_dtype", LOWP)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_norm_stats_equals_its_reference(ext, means_shape, means_dtype, bias_dtype):
+    """A norm tap's one launch (h from the saved means, s the bias gradient copied) against
+    the ATen reference on the same values: h to 1e-6 (fp32 sums in another order), s exact,
+    both in one buffer and s not the bias gradient itself."""
+    means = randn(means_shape, means_dtype)
+    n_bias = means_shape[0] if len(means_shape) == 1 else 257
+    bias_grad = randn((n_bias,), bias_dtype)
+    h, s = ext.norm_stats(means, bias_grad, 1 / 24)
+    want_h, want_s = ext.norm_stats(means.cpu(), bias_grad.cpu(), 1 / 24)
+    assert h.is_cuda and h.dtype == s.dtype == torch.float32
+    close(h, want_h, 1e-6)  # (an empty batch: exact zeros)
+    assert torch.equal(s.cpu(), want_s)
+    assert h.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()  # one allocation
+    bias_grad.zero_()
+    assert torch.equal(s.cpu(), want_s)  # a copy
+
+
+def test_norm_stats_raises_clear_errors(ext):
+    with pytest.raises(RuntimeError, match="norm_stats: means must be 1-D"):
+        ext.norm_stats(randn((4, 3)), randn((3,)), 1.0)
+    with pytest.raises(RuntimeError, match="norm_stats: bias_grad"):
+        ext.norm_stats(randn((4,)), randn((4,)).cpu(), 1.0)
+
+
 # --------------------------------------------------------------------------- end to end
 
 
