@@ -75,6 +75,29 @@ with ATen ops (the reference).)doc",
       .def("take", &lightning_cafin::TapSink::take,
            "Every (h, hn, s, sn) added since the last take, oldest first; the sink is then empty.")
       .def("__len__", &lightning_cafin::TapSink::size);
+  py::class_<lightning_cafin::TakenSums, std::shared_ptr<lightning_cafin::TakenSums>>(
+      m, "TakenSums", "Every layer's sums of one capture step (take_single), held for factor_update_taken_.")
+      .def_readonly("h", &lightning_cafin::TakenSums::h, "The layers' h, in the order of the sinks.")
+      .def_readonly("s", &lightning_cafin::TakenSums::s, "The layers' s, in the order of the sinks.")
+      .def("__len__", [](const lightning_cafin::TakenSums& t) { return t.h.size(); });
+  m.def("take_single", &lightning_cafin::take_single,
+        R"doc(The usual capture step's sums in one call: a TakenSums with every sink's one result,
+taken only where each sink holds exactly one whose h and s are float32, contiguous, 1-D, of
+nh[i] and ns[i] elements on like[i]'s device and counted hn[i] and sn[i]; otherwise None,
+and nothing is taken.)doc",
+        py::arg("sinks"), py::arg("like"), py::arg("nh"), py::arg("hn"), py::arg("ns"), py::arg("sn"));
+  m.def(
+      "factor_update_taken_",
+      [](const lightning_cafin::TakenSums& taken, const std::vector<at::Tensor>& H, const std::vector<at::Tensor>& S,
+         const std::vector<int64_t>& kinds, const std::vector<int64_t>& flags, const std::vector<double>& h_div,
+         const std::vector<double>& s_div, const std::vector<double>& s_scale, const std::vector<double>& extra,
+         double c_old, double c_new) {
+        return lightning_cafin::factor_update_(taken.h, taken.s, H, S, kinds, flags, h_div, s_div, s_scale, extra,
+                                               c_old, c_new);
+      },
+      "factor_update_ with the sums take_single took (no list of them through Python).", py::arg("taken"),
+      py::arg("H"), py::arg("S"), py::arg("kinds"), py::arg("flags"), py::arg("h_div"), py::arg("s_div"),
+      py::arg("s_scale"), py::arg("extra"), py::arg("c_old"), py::arg("c_new"));
   py::class_<lightning_cafin::TapPlan, std::shared_ptr<lightning_cafin::TapPlan>>(
       m, "TapPlan",
       R"doc(One layer's gradient tap for one pair of shapes: its sink and layer_stats' arguments

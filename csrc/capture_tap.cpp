@@ -136,6 +136,40 @@ int64_t TapSink::size() const {
   return static_cast<int64_t>(results_.size());
 }
 
+std::shared_ptr<TakenSums> take_single(
+    const std::vector<std::shared_ptr<TapSink>>& sinks, const std::vector<at::Tensor>& like,
+    const std::vector<int64_t>& nh, const std::vector<double>& hn, const std::vector<int64_t>& ns,
+    const std::vector<double>& sn) {
+  const size_t L = sinks.size();
+  TORCH_CHECK(like.size() == L && nh.size() == L && hn.size() == L && ns.size() == L && sn.size() == L,
+              "take_single: every list must have one entry per sink");
+  auto fits = [](const at::Tensor& t, int64_t n, const at::Tensor& place) {
+    return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
+           t.device() == place.device();
+  };
+  std::vector<std::unique_lock<std::mutex>> locks;  // every sink held from the checks to the take
+  locks.reserve(L);
+  for (size_t i = 0; i < L; ++i) {
+    TORCH_CHECK(sinks[i] != nullptr && like[i].defined(), "take_single: sinks and like must hold no None");
+    locks.emplace_back(sinks[i]->mu_);
+    const auto& r = sinks[i]->results_;
+    if (r.size() != 1) return nullptr;
+    const auto& [h, h_count, s, s_count] = r[0];
+    if (h_count != hn[i] || s_count != sn[i] || !fits(h, nh[i], like[i]) || !fits(s, ns[i], like[i]))
+      return nullptr;
+  }
+  auto out = std::make_shared<TakenSums>();
+  out->h.reserve(L);
+  out->s.reserve(L);
+  for (size_t i = 0; i < L; ++i) {
+    auto& r = sinks[i]->results_;
+    out->h.push_back(std::move(std::get<0>(r[0])));
+    out->s.push_back(std::move(std::get<2>(r[0])));
+    r.clear();
+  }
+  return out;
+}
+
 TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_, double input_div_, int64_t grad_dim_,
                  bool grad_square_, double grad_div_, double hn_, double sn_, double mean_scale_)
     : sink(std::move(sink_)),

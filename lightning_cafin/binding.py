@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .backends import FactorView
+from .capture.factors import LaunchKeeper
 from .capture.hooks import LayerCapture, attach, can_disarm, detach, factor_tensors_replaced, set_armed
 from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 
@@ -107,6 +108,9 @@ class LayerBinding:
         self.version = 0
         self._slot_changes = 0  # pairings and layers moved to F = 1
         self._armed = True  # whether the hooks are in place (the next step may capture)
+        #: the last capture step's factor update, kept to repeat (``factors.KeptLaunch``); dropped
+        #: whenever the bound layers change
+        self.launch_keeper = LaunchKeeper()
 
     def arm(self, armed: bool) -> None:
         """Put the hooks in place for a step that may capture, or take them out (``hooks.py``;
@@ -194,6 +198,7 @@ class LayerBinding:
                 self._kept[cap.name] = _kept(cap.S, cap.H, type(cap.module).__name__)
             detach(cap)
         self._captures, self._slots, self._model = {}, {}, None
+        self.launch_keeper.launch = None
 
     def pair(self, params: Iterable[Tensor], warn_on_takeover: bool = True) -> None:
         """Pair ``params`` (the optimizer's) with the bound model's supported layers, by identity."""
@@ -238,6 +243,7 @@ class LayerBinding:
                 )
         self._captures, self._slots = captures, slots
         self._slot_changes += 1
+        self.launch_keeper.launch = None
         self._restore_kept()
 
     def unbind_unseen(self, names: Iterable[str]) -> None:
@@ -252,6 +258,7 @@ class LayerBinding:
                 del self._slots[key]
         self._slot_changes += 1
         self.version += 1
+        self.launch_keeper.launch = None
 
     def discard_pending(self) -> None:
         """Drop the statistics gathered since the last step (a skipped or non-capture step)."""

@@ -174,9 +174,9 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             self.capture_options.apply()
             capture_streams.join()  # the statistics were computed beside the backward pass
             self.statistics_reduction.all_reduce(captures, self.statistics_group)
-            fired = any(cap.pending.calls for cap in captures)
-            report = update_factors(captures, self.defaults["gamma"], scale)
+            report = update_factors(captures, self.defaults["gamma"], scale, self.binding.launch_keeper)
             capture_streams.release()
+        fired = len(report.not_fired) < len(captures)  # some layer had statistics
         self.binding.version += 1
         by_name = self.binding.captures
         # a layer whose forwards were all inside no_capture() was not missed: no warning, not functional

@@ -118,7 +118,7 @@ class MemoryOrderCopies:
 
     def refresh(self) -> None:
         """Rewrite every copy in place from the factors (two launches: cat, gather)."""
-        if self._buffer is None:
+        if self._buffer is None or self._index is None:
             return
         segments = [H[o : o + n] for H, o, n in self._sources]
         source = segments[0] if len(segments) == 1 else torch.cat(segments)

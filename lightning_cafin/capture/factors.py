@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import ModuleType
 from typing import Callable, Iterator, Optional, Sequence, overload
 
 import torch
@@ -130,6 +131,15 @@ class CaptureReport:
         elif nan is False:
             self._updated.append(name)
 
+    @classmethod
+    def on_device(cls, names: list[str], flags: Tensor) -> "CaptureReport":
+        """The report of a capture step whose every layer the kernel decided (``flags``: its
+        NaN flags, read from the device only when the report is looked at)."""
+        report = cls()
+        report._order = list(names)
+        report._device = _DeviceFlags(names, flags)
+        return report
+
     def _names(self, want_nan: bool) -> list[str]:
         nan = set(self._non_finite)
         if self._device is not None:
@@ -182,10 +192,14 @@ class _KernelBatch:
 _APPEND, _INIT, _UNSCALE = 1, 2, 4  # the kernel's flags: append the extra column, new factors, divide out the loss scale
 
 
+def _has_bias(cap: LayerCapture) -> bool:
+    return cap.module._parameters.get("bias") is not None  # (in the slot's key: the built-in plans depend on it)
+
+
 def _slot_key(stamp: int, cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats,
               grad_scale: Optional[float]) -> tuple:
     """What a ``KernelSlot`` is valid for (``stamp``: :func:`factor_tensors_replaced`)."""
-    return (stamp, h.numel(), s.numel(), pending.hn, pending.sn, grad_scale, cap.module._parameters.get("bias") is not None)
+    return (stamp, h.numel(), s.numel(), pending.hn, pending.sn, grad_scale, _has_bias(cap))
 
 
 def _new_slot(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats, plan: KernelPlan,
@@ -230,7 +244,7 @@ def _kernel_ready(cap: LayerCapture, h: Tensor, s: Tensor, pending: PendingStats
 def _kernel_plan(cap: LayerCapture, h: Tensor, hn: float) -> Optional[KernelPlan]:
     """The rule's plan for these sums, kept per layer while the sums' size and count and
     whether the module has a bias stay (the built-in plans depend on nothing else)."""
-    key = (h.numel(), hn, cap.module._parameters.get("bias") is not None)
+    key = (h.numel(), hn, _has_bias(cap))
     cached = cap.kernel_plan
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -248,21 +262,100 @@ def _kept_slot(cap: LayerCapture, h: Tensor, s: Tensor, key: tuple) -> Optional[
     return slot
 
 
+class KeptLaunch:
+    """A capture step's whole factor update, kept for the next capture step that looks the
+    same: every layer's kept ``KernelSlot`` in one launch, and the sizes and counts of the
+    one tap result each layer gave.
+
+    The usual capture step (taps on, one forward and backward, nothing replaced, one
+    device) repeats the previous one's decisions for every layer; checking each layer's
+    sums and slot in Python again cost the step ~20 microseconds of host per layer on the
+    H200's host, where a capture step is host-bound.  With a kept launch the step checks
+    only what can differ per layer in Python (the same capture and slot, one tap out, no
+    Python-hook statistics, the same bias), and the extension's ``take_single`` takes every
+    sink's one result in one call, checking its sizes, counts, dtype and device, or takes
+    nothing (then the general path runs, and may keep a new launch); the sums it took stay
+    in C++ (``TakenSums``) for ``factor_update_taken_``.
+    """
+
+    __slots__ = ("caps", "slots", "bias", "sinks", "like", "nh", "hn", "ns", "sn", "stamp", "grad_scale", "ext",
+                 "args", "names")
+
+    def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
+                 counts: list[tuple[float, float]]) -> None:
+        self.caps, self.slots = tuple(batch.caps), tuple(batch.slots)
+        self.bias = tuple(_has_bias(cap) for cap in batch.caps)
+        self.sinks = [cap.sink for cap in batch.caps]
+        self.like = [slot.H for slot in batch.slots]  # (the device each layer's sums must be on)
+        self.nh, self.ns = [h.numel() for h in batch.h], [s.numel() for s in batch.s]
+        self.hn, self.sn = [hn for hn, _ in counts], [sn for _, sn in counts]
+        self.stamp, self.grad_scale, self.ext = stamp, grad_scale, ext
+        self.args = _launch_args(batch.slots)
+        self.names = [cap.name for cap in batch.caps]
+
+    def run(self, captures: list[LayerCapture], stamp: int, grad_scale: Optional[float],
+            gamma: float) -> Optional[CaptureReport]:
+        """This step's update through the kept launch, or ``None`` (nothing taken, nothing
+        changed) where the step does not look like the one it was kept from."""
+        if stamp != self.stamp or grad_scale != self.grad_scale or len(captures) != len(self.caps):
+            return None
+        for cap, kept, slot, bias in zip(captures, self.caps, self.slots, self.bias):
+            if (cap is not kept or cap.kernel_slot is not slot or cap.taps_out != 1 or cap.has_pending_calls()
+                    or _has_bias(cap) != bias):
+                return None
+        taken = self.ext.take_single(self.sinks, self.like, self.nh, self.hn, self.ns, self.sn)
+        if taken is None:
+            return None
+        for cap in captures:
+            cap.taps_out = 0
+        device = self.like[0].device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            flags = self.ext.factor_update_taken_(taken, *self.args, 0.1 * gamma, 0.01 * gamma)
+            return CaptureReport.on_device(self.names, flags)
+
+
+def _launch_args(slots: list[KernelSlot]) -> tuple[list, ...]:
+    """The factor-update kernel's per-layer arguments after the sums (``factor_update_``)."""
+    return ([x.H for x in slots], [x.S for x in slots], [x.kind for x in slots], [x.flags for x in slots],
+            [x.h_div for x in slots], [x.s_div for x in slots], [x.s_scale for x in slots], [x.extra for x in slots])
+
+
+class LaunchKeeper:
+    """Where an optimizer keeps its last ``KeptLaunch`` between capture steps (``update_factors``'s ``keep``)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self) -> None:
+        self.launch: Optional[KeptLaunch] = None
+
+
 def update_factors(
     captures: list[LayerCapture],
     gamma: float,
     grad_scale: Optional[float] = None,
+    keep: Optional[LaunchKeeper] = None,
 ) -> CaptureReport:
     """Consume every capture's pending statistics and update its factors.
 
     ``grad_scale``: the loss scale the output gradients were multiplied by (``None`` when
     they were not scaled); it is divided out so factors come from true gradients.
+    ``keep``: where the step's launch is kept for the next capture step when every layer
+    took its kept slot and one tap's sums (``KeptLaunch``), and taken from when that
+    step looks the same.
     """
+    stamp = factor_tensors_replaced()  # (a factor created below changes it only for the next capture)
+    if keep is not None and keep.launch is not None:
+        fast = keep.launch.run(captures, stamp, grad_scale, gamma)
+        if fast is not None:
+            return fast
+        keep.launch = None
     report = CaptureReport()
     batches: dict[torch.device, _KernelBatch] = {}
     kernels_on: dict[torch.device, bool] = {}  # whether the kernels take float32 sums there (ext_for)
-    stamp = factor_tensors_replaced()  # (a factor created below changes it only for the next capture)
+    keepable = keep is not None  # every layer took a kept slot and one tap's sums (a KeptLaunch can repeat it)
+    counts: list[tuple[float, float]] = []  # each batched layer's (hn, sn), for a KeptLaunch
     for cap in captures:
+        one_tap = keepable and cap.taps_out == 1 and not cap.has_pending_calls()
         pending = cap.take_pending()
         if pending.calls == 0:
             report.not_fired.append(cap.name)
@@ -284,8 +377,12 @@ def update_factors(
                 if batch is None:
                     batch = batches[h.device] = _KernelBatch()
                 batch.add(cap, h, s, slot)
+                counts.append((pending.hn, pending.sn))
+                # kept for the next step: one tap's sums, and a slot the layer keeps (not new factors)
+                keepable = keepable and one_tap and pending.calls == 1 and cap.kernel_slot is slot
                 report.record(cap.name, None)
                 continue
+        keepable = False
         if grad_scale is not None and grad_scale != 1.0:
             s = s / grad_scale**cap.rule.s_scale_power
         H_raw, S_raw = cap.rule.finalize(cap.module, h, pending.hn, s, pending.sn)
@@ -304,6 +401,11 @@ def update_factors(
         report.record(cap.name, False)
     if batches:
         _launch(batches, gamma, report)
+    if keep is not None and keepable and captures and len(batches) == 1 and not report.not_fired:
+        batch = next(iter(batches.values()))
+        ext = _kernels.ext_for(batch.h[0])
+        if ext is not None and hasattr(ext, "factor_update_taken_") and not batch.fresh:
+            keep.launch = KeptLaunch(batch, ext, stamp, grad_scale, counts)
     return report
 
 
@@ -316,9 +418,7 @@ def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: Cap
     for device, b in batches.items():
         sl = b.slots
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = ext.factor_update_(b.h, b.s, [x.H for x in sl], [x.S for x in sl], [x.kind for x in sl],
-                                       [x.flags for x in sl], [x.h_div for x in sl], [x.s_div for x in sl],
-                                       [x.s_scale for x in sl], [x.extra for x in sl], 0.1 * gamma, 0.01 * gamma)
+            flags = ext.factor_update_(b.h, b.s, *_launch_args(sl), 0.1 * gamma, 0.01 * gamma)
             names = [cap.name for cap in b.caps]
             device_flags = _DeviceFlags(names, flags)
         if report._device is None:

@@ -273,6 +273,11 @@ class LayerCapture:
         plan = self.tap_plans[key] = None if fused is None else fused.tap_plan(ext, self.sink)
         return plan
 
+    def has_pending_calls(self) -> bool:
+        """Whether statistics were committed in Python since the last step (the C++ taps'
+        results still in the sink not counted: reading ``pending`` would move them here)."""
+        return self._pending.calls > 0
+
     def commit(self, h: Tensor, hn: float, s: Tensor, sn: float) -> None:
         if not self._pending.add(h, hn, s, sn):
             self.refused += 1

@@ -770,3 +770,55 @@ def test_linear_layers_on_an_autocast_copy_read_their_input_in_the_tap_call(ext,
     for n in results[False]:
         close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
         close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
+
+
+@pytest.mark.parametrize("workload", ["resnet-bf16-channels_last", "gpt-bf16"])
+def test_kept_launches_give_the_general_paths_factors(ext, impl, workload):
+    """Capture steps that repeat the previous one take its kept launch (``factors.KeptLaunch``:
+    every sink's one result in one call, the kept slots' arguments): over six captures the
+    factors equal those of the general path (the keeper emptied before every step), and the
+    launch kept at the second capture served the four after it."""
+    from lightning_cafin import AdaFisher, AdaFisherW
+    from lightning_cafin.capture import taps
+    from lightning_cafin.models import ResNet18
+    from lightning_cafin.models.gpt import GPT, lm_loss
+
+    impl("kernels")
+    torch.manual_seed(0)
+    if workload.startswith("resnet"):
+        base = ResNet18(10, 3, 8).to(DEV).to(memory_format=torch.channels_last)
+        x = torch.randn(6, 3, 16, 16, device=DEV).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (6,), device=DEV)
+        make_opt, loss_of = AdaFisher, lambda m: nn.functional.cross_entropy(m(x), y)
+    else:
+        base = GPT(97, 64, 2, 4, 32).to(DEV)
+        tokens = torch.randint(0, 97, (4, 33), device=DEV)
+        make_opt, loss_of = AdaFisherW, lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])
+    results, launches = {}, []
+    before = taps.set_enabled(True)
+    try:
+        for kept in (False, True):
+            model = copy.deepcopy(base)
+            opt = make_opt(model, lr=0.0, TCov=1, backend="fused")  # lr 0: both runs see the same weights
+            keeper = opt.binding.launch_keeper
+            for _ in range(6):
+                if not kept:
+                    keeper.launch = None
+                opt.zero_grad()
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = loss_of(model)
+                loss.backward()
+                opt.step()
+                if kept:
+                    launches.append(keeper.launch)
+            assert opt.health["capture_steps"] == 6 and opt.health["non_finite_statistics"] == 0
+            assert opt.health["modules_not_fired"] == []
+            results[kept] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
+    finally:
+        taps.set_enabled(before)
+    # kept at the second capture (its slots kept for the next), taken by every later one
+    assert launches[0] is None and launches[1] is not None
+    assert all(launch is launches[1] for launch in launches[2:])
+    for n in results[False]:
+        close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
+        close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
