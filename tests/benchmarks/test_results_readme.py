@@ -100,6 +100,27 @@ def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 
 
+def test_a_matrix_only_run_renders_the_matrix_section_with_its_own_source(tmp_path):
+    """``--matrix``: a later matrix-only run replaces the bench file's matrix (named as its
+    source, with its commit), the other sections stay the bench file's; a missing file
+    leaves the bench file's matrix."""
+    goals = [{"figure": "sync capture step above normal", "value": 0.5, "unit": "ms", "limit": 1.0, "met": True}]
+    data = json.loads(readme.DEFAULT_BENCH.read_text())
+    data["provenance"]["commit"] = "c" * 40
+    data["matrix"] = {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
+                      "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
+    matrix_only = tmp_path / "matrix.json"
+    matrix_only.write_text(json.dumps(data))
+    conv, multigpu = readme.DEFAULT_CONVERGENCE, readme.DEFAULT_MULTIGPU
+    text = readme.results_section(readme.DEFAULT_BENCH, conv, multigpu, matrix_only)
+    matrix_part = text[text.index("### The workload matrix"):text.index("### ", text.index("### The workload matrix") + 4)]
+    assert "| toy | sync capture step above normal | +0.50 ms | <= 1 ms | yes |" in matrix_part
+    assert f"`{matrix_only}`" in matrix_part and "`cccccccccccc`" in matrix_part
+    assert "AdaFisher[fused+graph]" in text  # the bench file's optimizer-step table
+    fallback = readme.results_section(readme.DEFAULT_BENCH, conv, multigpu, tmp_path / "absent.json")
+    assert "| toy |" not in fallback and "### The workload matrix" in fallback
+
+
 def _bench_with(tmp_path, key, entry):
     """The committed bench file with its ``key`` entry replaced by ``entry`` (removed when None)."""
     data = json.loads(readme.DEFAULT_BENCH.read_text())
