@@ -2,11 +2,13 @@
 #include "capture_tap.h"
 
 #include "capture_ops.h"
+#include "checks.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/generated/Functions.h>
 
+#include <unordered_set>
 #include <utility>
 
 namespace lightning_cafin {
@@ -147,10 +149,14 @@ std::shared_ptr<TakenSums> take_single(
     return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
            t.device() == place.device();
   };
+  std::unordered_set<const TapSink*> seen;  // (locking one sink twice would deadlock)
+  seen.reserve(L);
   std::vector<std::unique_lock<std::mutex>> locks;  // every sink held from the checks to the take
   locks.reserve(L);
   for (size_t i = 0; i < L; ++i) {
     TORCH_CHECK(sinks[i] != nullptr && like[i].defined(), "take_single: sinks and like must hold no None");
+    TORCH_CHECK(seen.insert(sinks[i].get()).second, "take_single: sinks[", num(static_cast<int64_t>(i)),
+                "] appears twice in the list");
     locks.emplace_back(sinks[i]->mu_);
     const auto& r = sinks[i]->results_;
     if (r.size() != 1) return nullptr;

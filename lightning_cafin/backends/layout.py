@@ -79,12 +79,14 @@ class MemoryOrderCopies:
     a launch and its host dispatch per layer on every capture step (17 on a ResNet), where
     concatenating the segments and gathering them at once is two launches, whatever the
     count.  The gather's index (every order, shifted to its segment's place in the
-    concatenation) is made once, on the device."""
+    concatenation) is made once, on the device, and the concatenation has a buffer of its
+    own: a refresh allocates nothing (the step may run inside a CUDA graph)."""
 
     def __init__(self) -> None:
         self._sources: list[tuple[Tensor, int, int]] = []  # (the live H, column offset, columns)
         self._orders: list[Tensor] = []
         self._buffer: Optional[Tensor] = None
+        self._source: Optional[Tensor] = None  # the segments concatenated (several parameters)
         self._index: Optional[Tensor] = None
 
     def __len__(self) -> int:
@@ -109,6 +111,8 @@ class MemoryOrderCopies:
                 start += n
             self._index = torch.cat(shifted)
             self._buffer = torch.empty(start, dtype=dtype, device=device)
+            if len(self._sources) > 1:
+                self._source = torch.empty(start, dtype=dtype, device=device)
         self.refresh()
         views, start = [], 0
         for _, _, n in self._sources:
@@ -121,5 +125,5 @@ class MemoryOrderCopies:
         if self._buffer is None or self._index is None:
             return
         segments = [H[o : o + n] for H, o, n in self._sources]
-        source = segments[0] if len(segments) == 1 else torch.cat(segments)
+        source = segments[0] if self._source is None else torch.cat(segments, out=self._source)
         torch.index_select(source, 0, self._index, out=self._buffer)

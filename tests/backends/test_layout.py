@@ -82,6 +82,10 @@ def test_permuted_columns_give_the_logical_fisher_in_memory_order(layout):
     copies.refresh()
     assert H_mem.data_ptr() == before
     assert_logical()
+    one = MemoryOrderCopies()  # a single parameter gathers straight from its segment
+    one.add(H2, 3, memory_columns(other))
+    (alone,) = one.copies()
+    assert torch.equal(alone, H2_mem)
     with pytest.raises(RuntimeError, match="add every parameter first"):
         copies.add(H, 0, memory_columns(p))
 

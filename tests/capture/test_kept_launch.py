@@ -192,6 +192,8 @@ def test_take_single_takes_every_sinks_one_result_or_nothing(ext):  # noqa: F811
     assert ext.take_single(sinks, like, *args) is None and [len(sink) for sink in sinks] == [2, 2, 2]
     with pytest.raises(RuntimeError, match="one entry per sink"):
         ext.take_single(sinks, like[:2], *args)
+    with pytest.raises(RuntimeError, match=r"sinks\[2\] appears twice"):
+        ext.take_single([sinks[0], sinks[1], sinks[0]], like, *args)
 
 
 def test_a_keeper_is_dropped_when_the_layers_change(kernels_on_cpu):
