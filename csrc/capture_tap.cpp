@@ -151,12 +151,14 @@ std::shared_ptr<TakenSums> take_single(
   };
   std::unordered_set<const TapSink*> seen;  // (locking one sink twice would deadlock)
   seen.reserve(L);
-  std::vector<std::unique_lock<std::mutex>> locks;  // every sink held from the checks to the take
-  locks.reserve(L);
   for (size_t i = 0; i < L; ++i) {
     TORCH_CHECK(sinks[i] != nullptr && like[i].defined(), "take_single: sinks and like must hold no None");
     TORCH_CHECK(seen.insert(sinks[i].get()).second, "take_single: sinks[", num(static_cast<int64_t>(i)),
                 "] appears twice in the list");
+  }
+  std::vector<std::unique_lock<std::mutex>> locks;  // every sink held from the checks to the take
+  locks.reserve(L);
+  for (size_t i = 0; i < L; ++i) {
     locks.emplace_back(sinks[i]->mu_);
     const auto& r = sinks[i]->results_;
     if (r.size() != 1) return nullptr;
