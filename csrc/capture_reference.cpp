@@ -103,6 +103,9 @@ std::tuple<at::Tensor, at::Tensor> norm_stats_reference(const at::Tensor& means,
               "norm_stats: means and bias_grad must be floating-point tensors");
   TORCH_CHECK(means.dim() >= 1 && bias_grad.dim() == 1, "norm_stats: means must have a dim and bias_grad be 1-D, got ",
               num(static_cast<int64_t>(means.dim())), " and ", num(static_cast<int64_t>(bias_grad.dim())), " dims");
+  // as the CUDA op: a 2-D tensor is neither kind of means (a layer norm's per-row means keep the input's dims)
+  TORCH_CHECK(means.dim() != 2, "norm_stats: means must be 1-D (a batch norm's) or have 3 or more dims (a layer "
+              "norm's per row), got 2 dims");
   const c10::NoGradGuard no_grad;
   at::Tensor h;
   if (means.dim() == 1) {  // a batch norm's per-channel means

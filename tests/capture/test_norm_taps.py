@@ -251,3 +251,5 @@ def test_norm_stats_names_a_bad_argument(ext):  # noqa: F811
         ext.norm_stats(torch.randn(4), torch.randn(2, 2), 1.0)
     with pytest.raises(RuntimeError, match="floating-point"):
         ext.norm_stats(torch.arange(4), torch.randn(4), 1.0)
+    with pytest.raises(RuntimeError, match="means must be 1-D .* or have 3 or more dims"):
+        ext.norm_stats(torch.randn(4, 3), torch.randn(3), 1.0)  # as the CUDA op refuses it
