@@ -22,6 +22,9 @@ constexpr int kCaptureBlock = 256;
 // (twice the splits for the last block to sum).
 constexpr int kRowsBlock = 512;
 constexpr int kRowsUnroll = 4;
+// Rows (batch rows of the conv input map, channel rows of the channels-in-the-middle
+// kernel) whose 16-byte loads each thread issues before summing any of them.
+constexpr int kRowsInFlight = 4;
 // Layers per launch of the factor-update kernel (its by-value list, multi_tensor_launch.cuh).
 constexpr int kFactorMaxLayers = 56;
 
