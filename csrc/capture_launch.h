@@ -47,16 +47,21 @@ struct ConvInputArgs {
   int kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo;
 };
 
-// Phase 2's grid along x: one block per weight column, or, for maps in (H, W, C) order
-// with one group and kernels of at most 3 x 3 (`by_channel`), one block per tile of
-// `lanes` channels (every tap of those channels), the kernel that reads such maps
-// coalesced.  Chunks along y cut the output positions (per column) or the map's
-// positions (per tile); the host sizes them from `work`, the positions a block row reads.
+// Phase 2's grid along x.  With one group and kernels of at most 3 x 3, every map value
+// is read once and added to each tap covering it: for maps in (H, W, C) order one block
+// per tile of `lanes` channels side by side (kChannelTiles), for maps in (C, H, W) order
+// one warp per channel along its positions (kChannelWarps, eight channels a block).
+// Otherwise one block per weight column (kColumns), which reads the map once per tap.
+// Chunks along y cut the output positions (per column) or the map's positions (per
+// channel); the host sizes them from `work`, the positions a block row reads, at least
+// `per_chunk` each.
+enum class WindowSumsKind { kColumns, kChannelTiles, kChannelWarps };
 struct WindowSumsShape {
-  bool by_channel;
+  WindowSumsKind kind;
   int lanes;
   int64_t blocks_x;
   int64_t work;
+  int64_t per_chunk;
 };
 WindowSumsShape window_sums_shape(const ConvInputArgs& a);
 

@@ -185,16 +185,14 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   // Grids of about two blocks per multiprocessor: the batch is split only where the
   // grid would otherwise be small (each split adds a partial map that phase 2 reads
   // once per tap, or once); phase 2's chunks are summed by their last block, in the same
-  // launch, and each reads at least 2048 positions (per column) or four passes of the
-  // block (per channel tile).
+  // launch, and each reads at least window_sums_shape's per_chunk positions.
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(p.x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
   p.nsplit = static_cast<int>(clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64)));
   const WindowSumsShape phase2 = window_sums_shape(a);
-  const int64_t per_chunk = phase2.by_channel ? 4 * (kCaptureBlock / phase2.lanes) : 2048;
-  p.col_chunks = static_cast<int>(
-      clamp64(ceil_div(target, phase2.blocks_x), 1, std::min<int64_t>(64, ceil_div(phase2.work, per_chunk))));
+  p.col_chunks = static_cast<int>(clamp64(ceil_div(target, phase2.blocks_x), 1,
+                                          std::min<int64_t>(64, ceil_div(phase2.work, phase2.per_chunk))));
   if (p.col_chunks > 1 && (p.counters = counter_slots(p.x, K)) == nullptr) p.col_chunks = 1;
   // the workspace: the batch-split partial maps (the map itself when nsplit == 1), then
   // the column-chunk partials

@@ -57,6 +57,23 @@ __device__ __forceinline__ Range split_range(int64_t n, int parts, int k) {
   return {lo < n ? lo : n, lo + per < n ? lo + per : n};
 }
 
+// sum_{k < nmaps} m[k * M], added in order k = 0, 1, ... (phase 2's read of the batch-split
+// partial maps at one position), four loads in flight: one at a time, a chunk's positions
+// were a chain of dependent L2 round trips, most of a small layer's phase 2.
+__device__ __forceinline__ float sum_maps(const float* __restrict__ m, int nmaps, int64_t M) {
+  float v = 0.f;
+  int k = 0;
+  for (; k + 4 <= nmaps; k += 4) {
+    const float u0 = m[k * M], u1 = m[(k + 1) * M], u2 = m[(k + 2) * M], u3 = m[(k + 3) * M];
+    v += u0;
+    v += u1;
+    v += u2;
+    v += u3;
+  }
+  for (; k < nmaps; ++k) v += m[k * M];
+  return v;
+}
+
 // The last-block reduction: every block along y has stored its partial for column
 // blockIdx.x; true (in every thread) in the one block that finished that column last,
 // which then sums the partials in a fixed order.  The counter is reset by that block, so
@@ -169,10 +186,7 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float*
     if (y < 0 || y >= a.H || xx < 0 || xx >= a.W) continue;
     const int64_t ch = static_cast<int64_t>(grp) * Cg + c;
     const int64_t idx = a.map_hwc ? (static_cast<int64_t>(y) * a.W + xx) * a.C + ch : ch * HW + static_cast<int64_t>(y) * a.W + xx;
-    // the batch-split partial maps, summed in split order (nmaps == 1: the map itself)
-    float v = 0.f;
-    for (int k = 0; k < nmaps; ++k) v += maps[k * M + idx];
-    acc += v;
+    acc += sum_maps(maps + idx, nmaps, M);  // the batch-split partial maps (nmaps == 1: the map itself)
   }
   acc = block_sum(acc, smem);
   if (col_chunks == 1) {
@@ -181,6 +195,63 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_kernel(const float*
   }
   if (threadIdx.x == 0) partials[static_cast<int64_t>(blockIdx.y) * K + col] = acc;
   if (finished_last(counters + col, col_chunks) && threadIdx.x == 0) dst[col] = sum_partials(partials + col, col_chunks, K);
+}
+
+// The taps (ki, kj) whose window covers map position (y, x): bit ki of `rows` where row y
+// is under tap row ki of some output row (y = oy*sh + ki*dh - pt), bit kj of `cols` alike;
+// false where no tap covers it.
+template <int MAXK>
+__device__ __forceinline__ bool tap_masks(const ConvInputArgs& a, int y, int x, unsigned& rows, unsigned& cols) {
+  rows = 0u;
+  cols = 0u;
+#pragma unroll
+  for (int k = 0; k < MAXK; ++k) {
+    const int ty = y + a.pt - k * a.dh, tx = x + a.pl - k * a.dw;
+    if (k < a.kh && ty >= 0 && ty % a.sh == 0 && ty / a.sh < a.Ho) rows |= 1u << k;
+    if (k < a.kw && tx >= 0 && tx % a.sw == 0 && tx / a.sw < a.Wo) cols |= 1u << k;
+  }
+  return rows != 0u && cols != 0u;
+}
+
+// acc[ki * MAXK + kj] += v for every covering tap
+template <int MAXK>
+__device__ __forceinline__ void add_to_taps(float* acc, unsigned rows, unsigned cols, float v) {
+#pragma unroll
+  for (int ki = 0; ki < MAXK; ++ki) {
+#pragma unroll
+    for (int kj = 0; kj < MAXK; ++kj) {
+      if ((rows >> ki) & (cols >> kj) & 1u) acc[ki * MAXK + kj] += v;
+    }
+  }
+}
+
+// The last block of a tile sums its `items` columns' chunk partials: `groups` threads per
+// item take every groups-th chunk (their loads in flight together: a serial sum of 64
+// chunks was most of a 1 x 1 layer's time), then the groups are added in order
+// (deterministic).  `column(t, col)` gives item t's column, false past the last one;
+// smem holds at least kCaptureBlock floats.
+template <typename Column>
+__device__ void sum_chunks_in_order(const float* __restrict__ partials, int chunks, int items, int64_t K,
+                                    Column column, float* smem, float* __restrict__ dst) {
+  const int groups = items >= kCaptureBlock ? 1 : kCaptureBlock / items;
+  __syncthreads();  // every thread is done with what the block kept in smem
+  for (int t = threadIdx.x; t < items * groups; t += kCaptureBlock) {
+    const int item = t % items, g = t / items;
+    int64_t col;
+    float part = 0.f;
+    if (column(item, col)) {
+      for (int k = g; k < chunks; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * K + col);
+    }
+    smem[t] = part;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
+    int64_t col;
+    if (!column(t, col)) continue;
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += smem[g * items + t];
+    dst[col] = total;
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -215,26 +286,10 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
   if (c < C) {
     for (int e = static_cast<int>(rp.lo) + ry; e < rp.hi; e += pass) {
       const int y = e / W, x = e - y * W;
-      // bit ki: row y is under tap row ki of some output row, y = oy*sh + ki*dh - pt
-      unsigned rows = 0u, cols = 0u;
-#pragma unroll
-      for (int k = 0; k < MAXK; ++k) {
-        const int ty = y + a.pt - k * a.dh, tx = x + a.pl - k * a.dw;
-        if (k < a.kh && ty >= 0 && ty % a.sh == 0 && ty / a.sh < a.Ho) rows |= 1u << k;
-        if (k < a.kw && tx >= 0 && tx % a.sw == 0 && tx / a.sw < a.Wo) cols |= 1u << k;
-      }
-      if (rows == 0u || cols == 0u) continue;
-      // the batch-split partial maps, summed in split order (nmaps == 1: the map itself)
-      const float* m = maps + static_cast<int64_t>(e) * C + c;
-      float v = 0.f;
-      for (int k = 0; k < nmaps; ++k) v += m[k * M];
-#pragma unroll
-      for (int ki = 0; ki < MAXK; ++ki) {
-#pragma unroll
-        for (int kj = 0; kj < MAXK; ++kj) {
-          if ((rows >> ki) & (cols >> kj) & 1u) acc[ki * MAXK + kj] += v;
-        }
-      }
+      unsigned rows, cols;
+      if (!tap_masks<MAXK>(a, y, x, rows, cols)) continue;
+      // the batch-split partial maps (nmaps == 1: the map itself)
+      add_to_taps<MAXK>(acc, rows, cols, sum_maps(maps + static_cast<int64_t>(e) * C + c, nmaps, M));
     }
   }
   // smem[(ry * kTaps + tap) * lanes + cl]; item t < lanes * taps (as many as 288, so a
@@ -264,28 +319,71 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
     }
   }
   if (chunks == 1 || !finished_last(counters + blockIdx.x, chunks)) return;
-  // The last block sums the chunks: `groups` threads per item take every groups-th chunk
-  // (their loads in flight together: a serial sum of 64 chunks was most of a 1 x 1
-  // layer's time), then the groups are added in order (deterministic).
-  const int groups = items >= kCaptureBlock ? 1 : kCaptureBlock / items;
-  __syncthreads();  // every thread is done with the pass sums in smem
-  for (int t = threadIdx.x; t < items * groups; t += kCaptureBlock) {
-    const int item = t % items, g = t / items;
-    int64_t col;
-    float part = 0.f;
-    if (column(item, col)) {
-      for (int k = g; k < chunks; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * K + col);
+  sum_chunks_in_order(partials, chunks, items, K, column, smem, dst);
+}
+
+// ---------------------------------------------------------------------------
+// Phase 2 for maps in (C, H, W) order (contiguous inputs), one group, kernels of at most
+// MAXK x MAXK: block (tile of kChwChannels channels, position chunk).  The per-column
+// kernel reads every map value once per tap (nine times for a 3 x 3 kernel), each block
+// summing one tap over the positions; here each warp takes one channel, its lanes read
+// consecutive positions (coalesced), every value is read once and added to the taps
+// whose window covers it, and each tap's sum is the warp's.  Partial sums per chunk are
+// summed in chunk order by the chunk that finishes last.
+// ---------------------------------------------------------------------------
+constexpr int kChwChannels = kCaptureBlock / 32;
+
+template <int MAXK>
+__global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const float* __restrict__ maps, int nmaps,
+                                                                        ConvInputArgs a, int chunks,
+                                                                        float* __restrict__ partials,
+                                                                        unsigned* __restrict__ counters,
+                                                                        float* __restrict__ dst) {
+  constexpr int kTaps = MAXK * MAXK;
+  __shared__ float smem[kCaptureBlock];
+  const int taps = a.kh * a.kw;
+  const int lane = threadIdx.x % 32;
+  const int C = static_cast<int>(a.C);
+  const int W = static_cast<int>(a.W);
+  const int c0 = blockIdx.x * kChwChannels;
+  const int c = c0 + static_cast<int>(threadIdx.x / 32);
+  const int64_t HW = a.H * a.W;
+  const int64_t M = a.C * HW;
+  const Range rp = split_range(HW, chunks, blockIdx.y);
+  float acc[kTaps];
+#pragma unroll
+  for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
+  if (c < C) {
+    const float* m = maps + static_cast<int64_t>(c) * HW;
+    for (int e = static_cast<int>(rp.lo) + lane; e < rp.hi; e += 32) {  // (C * H * W fits an int)
+      const int y = e / W, x = e - y * W;
+      unsigned rows, cols;
+      if (!tap_masks<MAXK>(a, y, x, rows, cols)) continue;
+      add_to_taps<MAXK>(acc, rows, cols, sum_maps(m + e, nmaps, M));  // (nmaps == 1: the map itself)
     }
-    smem[t] = part;
   }
-  __syncthreads();
-  for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
-    int64_t col;
-    if (!column(t, col)) continue;
-    float total = 0.f;
-    for (int g = 0; g < groups; ++g) total += smem[g * items + t];
-    dst[col] = total;
+#pragma unroll
+  for (int t = 0; t < kTaps; ++t) acc[t] = warp_sum(acc[t]);
+  const int64_t K = static_cast<int64_t>(C) * taps;
+  if (lane == 0 && c < C) {
+    for (int t = 0; t < taps; ++t) {
+      const float s = acc[(t / a.kw) * MAXK + t % a.kw];
+      const int64_t col = static_cast<int64_t>(c) * taps + t;
+      if (chunks == 1) {
+        dst[col] = s;
+      } else {
+        partials[static_cast<int64_t>(blockIdx.y) * K + col] = s;
+      }
+    }
   }
+  if (chunks == 1 || !finished_last(counters + blockIdx.x, chunks)) return;
+  // the block's columns are contiguous: channel c0's taps, then the next channel's
+  const int items = kChwChannels * taps;
+  auto column = [&](int t, int64_t& col) {
+    col = static_cast<int64_t>(c0) * taps + t;
+    return col < K;
+  };
+  sum_chunks_in_order(partials, chunks, items, K, column, smem, dst);
 }
 
 // ---------------------------------------------------------------------------
@@ -627,13 +725,16 @@ int capture_sm_count() {
 
 WindowSumsShape window_sums_shape(const ConvInputArgs& a) {
   const int64_t HW = a.H * a.W;
-  if (a.map_hwc && a.groups == 1 && a.kh <= 3 && a.kw <= 3 && a.C * HW <= std::numeric_limits<int32_t>::max()) {
+  if (a.groups == 1 && a.kh <= 3 && a.kw <= 3 && a.C * HW <= std::numeric_limits<int32_t>::max()) {
+    if (!a.map_hwc) {  // a warp per channel, along its positions: two passes of the warp per chunk at least
+      return {WindowSumsKind::kChannelWarps, 32, (a.C + kChwChannels - 1) / kChwChannels, HW, 2 * 32};
+    }
     int lanes = 1;
     while (lanes < 32 && lanes < a.C) lanes *= 2;
-    return {true, lanes, (a.C + lanes - 1) / lanes, HW};
+    return {WindowSumsKind::kChannelTiles, lanes, (a.C + lanes - 1) / lanes, HW, 4 * (kCaptureBlock / lanes)};
   }
   const int64_t K = (a.C / a.groups) * a.kh * a.kw;
-  return {false, 0, K, static_cast<int64_t>(a.groups) * a.Ho * a.Wo};
+  return {WindowSumsKind::kColumns, 0, K, static_cast<int64_t>(a.groups) * a.Ho * a.Wo, 2048};
 }
 
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
@@ -655,8 +756,12 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
   if (err != cudaSuccess) return err;
   const WindowSumsShape shape = window_sums_shape(a);
   const dim3 grid(static_cast<unsigned>(shape.blocks_x), col_chunks);
-  if (!shape.by_channel) {
+  if (shape.kind == WindowSumsKind::kColumns) {
     window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (shape.kind == WindowSumsKind::kChannelWarps && a.kh == 1 && a.kw == 1) {
+    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (shape.kind == WindowSumsKind::kChannelWarps) {
+    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
   } else if (a.kh == 1 && a.kw == 1) {
     window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
                                                                   counters, out);
