@@ -88,6 +88,7 @@ class MemoryOrderCopies:
         self._buffer: Optional[Tensor] = None
         self._source: Optional[Tensor] = None  # the segments concatenated (several parameters)
         self._index: Optional[Tensor] = None
+        self._segments: list[Tensor] = []  # each source's columns, a view of its H
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -111,6 +112,9 @@ class MemoryOrderCopies:
                 start += n
             self._index = torch.cat(shifted)
             self._buffer = torch.empty(start, dtype=dtype, device=device)
+            # views of the factors' columns, made once: the factors are updated in place
+            # (a replaced factor makes the step plan, and with it these copies, anew)
+            self._segments = [H[o : o + n] for H, o, n in self._sources]
             if len(self._sources) > 1:
                 self._source = torch.empty(start, dtype=dtype, device=device)
         self.refresh()
@@ -124,6 +128,6 @@ class MemoryOrderCopies:
         """Rewrite every copy in place from the factors (two launches: cat, gather)."""
         if self._buffer is None or self._index is None:
             return
-        segments = [H[o : o + n] for H, o, n in self._sources]
+        segments = self._segments
         source = segments[0] if self._source is None else torch.cat(segments, out=self._source)
         torch.index_select(source, 0, self._index, out=self._buffer)

@@ -57,6 +57,28 @@ def test_report_names_keep_capture_order_and_compare_as_lists():
     assert repr(rep.updated) == "['x', 'w']"
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device flags are copied from a CUDA device")
+def test_reports_on_device_read_their_own_flags_while_buffers_are_reused():
+    """Each capture's flags come back through a pinned buffer that is reused once read:
+    reports made before another was read, read in any order, and read again, each give
+    the flags they were made from (a shared buffer would give the last copy's)."""
+    names = ["a", "b", "c", "d"]
+    expected = {}
+    reports = []
+    for step in range(12):
+        flags = (torch.rand(4, device="cuda") < 0.5).to(torch.int32)
+        expected[step] = [n for n, f in zip(names, flags.tolist()) if f]
+        reports.append(CaptureReport.on_device(names, flags))
+        flags.fill_(7)  # queued after the report's copy: it must not reach the report
+        if step % 3 == 2:  # read the last three, newest first: buffers go back out of order
+            for k in (step, step - 2, step - 1):
+                assert list(reports[k].non_finite) == expected[k]
+                assert list(reports[k].updated) == [n for n in names if n not in expected[k]]
+    for k, rep in enumerate(reports):  # read again: the host copy, not the reused buffer
+        assert list(rep.non_finite) == expected[k]
+
+
 def fake_factor_update_(h, s, H, S, kinds, flags, h_div, s_div, s_scale, extra, c_old, c_new):
     """The kernel's contract (csrc/capture_launch.h), restated with torch ops in float32."""
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
