@@ -188,6 +188,9 @@ class LayerCapture:
     kernel_plan: Optional[tuple[tuple[int, float, bool], Optional[KernelPlan]]] = field(default=None, repr=False)
     #: the factor-update kernel's kept arguments for this layer (``factors.KernelSlot``)
     kernel_slot: Any = field(default=None, repr=False)
+    #: the module's hook slot while this capture owns it (``attach``; arming skips the
+    #: process-wide lookup, a per-layer cost at every arming step)
+    hook_slot: Any = field(default=None, repr=False)
 
     # S and H are properties, not a __setattr__ watching every name: the capture forward
     # hook sets a counter per layer (taps_out), which a Python __setattr__ would slow down
@@ -350,7 +353,7 @@ class _Slot:
     whether the hooks are in their dicts (see the module docstring).
     """
 
-    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "__weakref__")
+    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "registered", "__weakref__")
 
     def __init__(self, owner: LayerCapture):
         self.forward: Optional[_Registered] = None
@@ -358,9 +361,8 @@ class _Slot:
         self.tapped: Optional[_GradTap] = None
         self.armed = True
         self.owner: "weakref.ref[LayerCapture]" = weakref.ref(owner)
-
-    def registered(self) -> tuple[_Registered, ...]:
-        return tuple(r for r in (self.forward, self.tap) if r is not None)
+        #: the hooks this slot registered (``forward``, then ``tap``), once both are set
+        self.registered: tuple[_Registered, ...] = ()
 
     def set_armed(self, armed: bool) -> None:
         # never out once anything compiled; the owner's can_disarm() keeps the watcher registered
@@ -368,7 +370,7 @@ class _Slot:
         if armed != self.armed:
             self.armed = armed
             self.tapped = None
-            for r in self.registered():
+            for r in self.registered:
                 r.put(armed)
 
 
@@ -621,11 +623,16 @@ def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
             tap_hook = _tap_hook_for(slot)
             handle = tap.register_forward_pre_hook(tap_hook, prepend=True)
             slot.tap = _Registered(handle, tap_hook, tap._forward_pre_hooks, None)
+        slot.registered = tuple(r for r in (slot.forward, slot.tap) if r is not None)
         _SLOTS[module] = slot
+        capture.hook_slot = slot
         slot.set_armed(armed)
         return None
     previous = slot.owner()
     slot.owner = weakref.ref(capture)
+    capture.hook_slot = slot
+    if previous is not None and previous is not capture:
+        previous.hook_slot = None
     slot.set_armed(armed)
     return previous if previous is not capture else None
 
@@ -634,7 +641,7 @@ def set_armed(capture: LayerCapture, armed: bool) -> None:
     """Put the module's hooks in their dicts (``armed``) or take them out, if ``capture``
     owns them; they stay in once anything has been compiled.  Callers disarming ask
     :func:`can_disarm` first (it registers the compile watcher)."""
-    slot = _SLOTS.get(capture.module)
+    slot = capture.hook_slot
     if slot is not None and slot.owner() is capture:
         slot.set_armed(armed)
 
@@ -643,9 +650,11 @@ def detach(capture: LayerCapture) -> None:
     """Remove the module's hook if ``capture`` still owns it."""
     slot = _SLOTS.get(capture.module)
     if slot is not None and slot.owner() is capture:
-        for r in slot.registered():
+        for r in slot.registered:
             r.remove()
         del _SLOTS[capture.module]
+    if capture.hook_slot is slot:
+        capture.hook_slot = None
 
 
 def hook_count(module: nn.Module) -> int:

@@ -139,3 +139,21 @@ def test_a_second_optimizer_taking_over_keeps_one_hook(no_compile_seen):
     assert not is_armed(model[0]) and hook_count(model[0]) == 1
     first.schedule.force_next()  # no longer the owner: changes nothing
     assert not is_armed(model[0])
+
+
+def test_only_the_current_owner_arms_the_hooks(no_compile_seen):
+    """A second optimizer bound to the same model takes the hooks over: the first one's
+    schedule (arming at its own capture steps) no longer moves them, and unbinding the
+    first leaves the second's hooks in place."""
+    model, first, x = _after_a_capture_step(TCov=2)
+    second = AdaFisher(model, TCov=3, backend="foreach")  # its first step captures: armed
+    assert is_armed(model[0])
+    first.schedule.force_next()  # the old owner arming ...
+    first.schedule.force_next(False)  # ... and disarming: not its hooks any more
+    assert is_armed(model[0])
+    _step(model, second, x)  # the new owner's capture step, then its own schedule
+    assert not is_armed(model[0])
+    first.schedule.force_next()
+    assert not is_armed(model[0])
+    second.schedule.force_next()
+    assert is_armed(model[0]) and all(hook_count(m) == 1 for m in model)
