@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_cafin import AdaFisher, no_capture
+from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture import taps
 from lightning_cafin.capture.hooks import LayerCapture
 
@@ -94,5 +95,40 @@ def test_the_fast_tap_gives_the_general_paths_factors_and_is_taken_when_nothing_
     assert fast[4] == layers  # the validation forward before it changed nothing
     assert fast[5] == layers - {"conv"}  # a frozen weight: its input is read in the forward
     assert fast[6] == set()  # Python hooks
-    assert fast[7] == layers
+    assert fast[7] == layers - {"conv"}  # (its read of the frozen weight's input left no fast tap)
     assert all(cap.refused == 0 for cap in got.binding.captures.values())
+
+
+def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(kernels_on_cpu, monkeypatch):  # noqa: F811
+    """Under autocast the first Linear gets float32 and computes on a bfloat16 copy (its input
+    read in the forward, ``TapPlan.tap_read``), the second gets bfloat16 (the plain tap): both
+    repeat their tap, and the factors equal the general path's."""
+    lowp = (torch.float32, torch.bfloat16)
+    monkeypatch.setattr(ck, "ext_for", lambda *t: kernels_on_cpu.fake if all(v.dtype in lowp for v in t) else None)
+
+    def train(general_only: bool) -> tuple[AdaFisher, list[set[str]]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+        caps = opt.binding.captures
+        fast = []
+        for _ in range(4):
+            opt.zero_grad()
+            if general_only:
+                for cap in caps.values():
+                    cap.fast_tap = None
+            before = {n: cap.fast_tap for n, cap in caps.items()}
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(5, 6)).float().square().mean()
+            fast.append({n for n, cap in caps.items() if before[n] is not None and cap.fast_tap is before[n]})
+            loss.backward()
+            opt.step()
+        return opt, fast
+
+    ref, ref_fast = train(general_only=True)
+    got, fast = train(general_only=False)
+    for name, cap in got.binding.captures.items():
+        want = ref.binding.captures[name]
+        assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
+    assert ref_fast == [set()] * 4
+    assert fast == [set(), {"0", "2"}, {"0", "2"}, {"0", "2"}]
