@@ -76,28 +76,51 @@ with ATen ops (the reference).)doc",
            "Every (h, hn, s, sn) added since the last take, oldest first; the sink is then empty.")
       .def("__len__", &lightning_cafin::TapSink::size);
   py::class_<lightning_cafin::TakenSums, std::shared_ptr<lightning_cafin::TakenSums>>(
-      m, "TakenSums", "Every layer's sums of one capture step (take_single), held for factor_update_taken_.")
+      m, "TakenSums", "Every layer's sums of one capture step (take_single), held for FactorLaunch.run.")
       .def_readonly("h", &lightning_cafin::TakenSums::h, "The layers' h, in the order of the sinks.")
       .def_readonly("s", &lightning_cafin::TakenSums::s, "The layers' s, in the order of the sinks.")
       .def("__len__", [](const lightning_cafin::TakenSums& t) { return t.h.size(); });
-  m.def("take_single", &lightning_cafin::take_single,
+  m.def("take_single",
+        py::overload_cast<const std::vector<std::shared_ptr<lightning_cafin::TapSink>>&, const std::vector<at::Tensor>&,
+                          const std::vector<int64_t>&, const std::vector<double>&, const std::vector<int64_t>&,
+                          const std::vector<double>&>(&lightning_cafin::take_single),
         R"doc(The usual capture step's sums in one call: a TakenSums with every sink's one result,
 taken only where each sink holds exactly one whose h and s are float32, contiguous, 1-D, of
 nh[i] and ns[i] elements on like[i]'s device and counted hn[i] and sn[i]; otherwise None,
 and nothing is taken.)doc",
         py::arg("sinks"), py::arg("like"), py::arg("nh"), py::arg("hn"), py::arg("ns"), py::arg("sn"));
-  m.def(
-      "factor_update_taken_",
-      [](const lightning_cafin::TakenSums& taken, const std::vector<at::Tensor>& H, const std::vector<at::Tensor>& S,
-         const std::vector<int64_t>& kinds, const std::vector<int64_t>& flags, const std::vector<double>& h_div,
-         const std::vector<double>& s_div, const std::vector<double>& s_scale, const std::vector<double>& extra,
-         double c_old, double c_new) {
-        return lightning_cafin::factor_update_(taken.h, taken.s, H, S, kinds, flags, h_div, s_div, s_scale, extra,
-                                               c_old, c_new);
-      },
-      "factor_update_ with the sums take_single took (no list of them through Python).", py::arg("taken"),
-      py::arg("H"), py::arg("S"), py::arg("kinds"), py::arg("flags"), py::arg("h_div"), py::arg("s_div"),
-      py::arg("s_scale"), py::arg("extra"), py::arg("c_old"), py::arg("c_new"));
+  py::class_<lightning_cafin::SinkSet, std::shared_ptr<lightning_cafin::SinkSet>>(
+      m, "SinkSet",
+      R"doc(take_single's arguments (sinks, like, nh, hn, ns, sn), checked and converted once, for a
+launch kept across capture steps: take() is take_single with them.)doc")
+      .def(py::init<std::vector<std::shared_ptr<lightning_cafin::TapSink>>, const std::vector<at::Tensor>&,
+                    std::vector<int64_t>, std::vector<double>, std::vector<int64_t>, std::vector<double>>(),
+           py::arg("sinks"), py::arg("like"), py::arg("nh"), py::arg("hn"), py::arg("ns"), py::arg("sn"))
+      .def(
+          "take", [](const lightning_cafin::SinkSet& set) { return lightning_cafin::take_single(set); },
+          "take_single with this set's arguments: a TakenSums, or None (nothing taken).")
+      .def("__len__", [](const lightning_cafin::SinkSet& set) { return set.sinks.size(); });
+  py::class_<lightning_cafin::FactorLaunch, std::shared_ptr<lightning_cafin::FactorLaunch>>(
+      m, "FactorLaunch",
+      R"doc(factor_update_'s per-layer arguments after the sums (H, S, kinds, flags, h_div, s_div,
+s_scale, extra), converted once, for a launch kept across capture steps: run(taken, c_old,
+c_new) is factor_update_ with the sums take_single took.)doc")
+      .def(py::init([](std::vector<at::Tensor> H, std::vector<at::Tensor> S, std::vector<int64_t> kinds,
+                       std::vector<int64_t> flags, std::vector<double> h_div, std::vector<double> s_div,
+                       std::vector<double> s_scale, std::vector<double> extra) {
+             return lightning_cafin::FactorLaunch{std::move(H),     std::move(S),     std::move(kinds),
+                                                  std::move(flags), std::move(h_div), std::move(s_div),
+                                                  std::move(s_scale), std::move(extra)};
+           }),
+           py::arg("H"), py::arg("S"), py::arg("kinds"), py::arg("flags"), py::arg("h_div"), py::arg("s_div"),
+           py::arg("s_scale"), py::arg("extra"))
+      .def(
+          "run",
+          [](const lightning_cafin::FactorLaunch& launch, const lightning_cafin::TakenSums& taken, double c_old,
+             double c_new) { return launch.run(taken.h, taken.s, c_old, c_new); },
+          "factor_update_ of the taken sums with this launch's arguments; the NaN flags.", py::arg("taken"),
+          py::arg("c_old"), py::arg("c_new"))
+      .def("__len__", [](const lightning_cafin::FactorLaunch& launch) { return launch.H.size(); });
   py::class_<lightning_cafin::TapPlan, std::shared_ptr<lightning_cafin::TapPlan>>(
       m, "TapPlan",
       R"doc(One layer's gradient tap for one pair of shapes: its sink and layer_stats' arguments

@@ -138,39 +138,52 @@ int64_t TapSink::size() const {
   return static_cast<int64_t>(results_.size());
 }
 
-std::shared_ptr<TakenSums> take_single(
-    const std::vector<std::shared_ptr<TapSink>>& sinks, const std::vector<at::Tensor>& like,
-    const std::vector<int64_t>& nh, const std::vector<double>& hn, const std::vector<int64_t>& ns,
-    const std::vector<double>& sn) {
+SinkSet::SinkSet(std::vector<std::shared_ptr<TapSink>> sinks_, const std::vector<at::Tensor>& like,
+                 std::vector<int64_t> nh_, std::vector<double> hn_, std::vector<int64_t> ns_, std::vector<double> sn_)
+    : sinks(std::move(sinks_)), nh(std::move(nh_)), ns(std::move(ns_)), hn(std::move(hn_)), sn(std::move(sn_)) {
   const size_t L = sinks.size();
   TORCH_CHECK(like.size() == L && nh.size() == L && hn.size() == L && ns.size() == L && sn.size() == L,
               "take_single: every list must have one entry per sink");
-  auto fits = [](const at::Tensor& t, int64_t n, const at::Tensor& place) {
-    return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
-           t.device() == place.device();
-  };
   std::unordered_set<const TapSink*> seen;  // (locking one sink twice would deadlock)
   seen.reserve(L);
+  devices.reserve(L);
   for (size_t i = 0; i < L; ++i) {
     TORCH_CHECK(sinks[i] != nullptr && like[i].defined(), "take_single: sinks and like must hold no None");
     TORCH_CHECK(seen.insert(sinks[i].get()).second, "take_single: sinks[", num(static_cast<int64_t>(i)),
                 "] appears twice in the list");
+    devices.push_back(like[i].device());
   }
+}
+
+std::shared_ptr<TakenSums> take_single(
+    const std::vector<std::shared_ptr<TapSink>>& sinks, const std::vector<at::Tensor>& like,
+    const std::vector<int64_t>& nh, const std::vector<double>& hn, const std::vector<int64_t>& ns,
+    const std::vector<double>& sn) {
+  return take_single(SinkSet(sinks, like, nh, hn, ns, sn));
+}
+
+std::shared_ptr<TakenSums> take_single(const SinkSet& set) {
+  const size_t L = set.sinks.size();
+  auto fits = [](const at::Tensor& t, int64_t n, const c10::Device& place) {
+    return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
+           t.device() == place;
+  };
   std::vector<std::unique_lock<std::mutex>> locks;  // every sink held from the checks to the take
   locks.reserve(L);
   for (size_t i = 0; i < L; ++i) {
-    locks.emplace_back(sinks[i]->mu_);
-    const auto& r = sinks[i]->results_;
+    locks.emplace_back(set.sinks[i]->mu_);
+    const auto& r = set.sinks[i]->results_;
     if (r.size() != 1) return nullptr;
     const auto& [h, h_count, s, s_count] = r[0];
-    if (h_count != hn[i] || s_count != sn[i] || !fits(h, nh[i], like[i]) || !fits(s, ns[i], like[i]))
+    if (h_count != set.hn[i] || s_count != set.sn[i] || !fits(h, set.nh[i], set.devices[i]) ||
+        !fits(s, set.ns[i], set.devices[i]))
       return nullptr;
   }
   auto out = std::make_shared<TakenSums>();
   out->h.reserve(L);
   out->s.reserve(L);
   for (size_t i = 0; i < L; ++i) {
-    auto& r = sinks[i]->results_;
+    auto& r = set.sinks[i]->results_;
     out->h.push_back(std::move(std::get<0>(r[0])));
     out->s.push_back(std::move(std::get<2>(r[0])));
     r.clear();

@@ -302,25 +302,27 @@ class KeptLaunch:
     sums and slot in Python again cost the step ~20 microseconds of host per layer on the
     H200's host, where a capture step is host-bound.  With a kept launch the step checks
     only what can differ per layer in Python (the same capture and slot, one tap out, no
-    Python-hook statistics, the same bias), and the extension's ``take_single`` takes every
-    sink's one result in one call, checking its sizes, counts, dtype and device, or takes
-    nothing (then the general path runs, and may keep a new launch); the sums it took stay
-    in C++ (``TakenSums``) for ``factor_update_taken_``.
+    Python-hook statistics, the same bias), and the extension's ``SinkSet.take``
+    (``take_single`` with the sinks and expected sizes converted once) takes every sink's
+    one result in one call, checking its sizes, counts, dtype and device, or takes nothing
+    (then the general path runs, and may keep a new launch); the sums it took stay in C++
+    (``TakenSums``) for ``FactorLaunch.run`` (``factor_update_`` with the layers' other
+    arguments converted once).
     """
 
-    __slots__ = ("caps", "slots", "bias", "sinks", "like", "nh", "hn", "ns", "sn", "stamp", "grad_scale", "ext",
-                 "args", "names")
+    __slots__ = ("caps", "slots", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
 
     def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
                  counts: list[tuple[float, float]]) -> None:
         self.caps, self.slots = tuple(batch.caps), tuple(batch.slots)
         self.bias = tuple(_has_bias(cap) for cap in batch.caps)
-        self.sinks = [cap.sink for cap in batch.caps]
-        self.like = [slot.H for slot in batch.slots]  # (the device each layer's sums must be on)
-        self.nh, self.ns = [h.numel() for h in batch.h], [s.numel() for s in batch.s]
-        self.hn, self.sn = [hn for hn, _ in counts], [sn for _, sn in counts]
-        self.stamp, self.grad_scale, self.ext = stamp, grad_scale, ext
-        self.args = _launch_args(batch.slots)
+        like = [slot.H for slot in batch.slots]  # (the device each layer's sums must be on)
+        # both converted to C++ once: a list of a hundred entries through pybind per step
+        # cost the step about 2 microseconds per layer (``SinkSet``, ``FactorLaunch``)
+        self.sinks = ext.SinkSet([cap.sink for cap in batch.caps], like, [h.numel() for h in batch.h],
+                                 [hn for hn, _ in counts], [s.numel() for s in batch.s], [sn for _, sn in counts])
+        self.factor_launch = ext.FactorLaunch(*_launch_args(batch.slots))
+        self.stamp, self.grad_scale, self.device = stamp, grad_scale, like[0].device
         self.names = [cap.name for cap in batch.caps]
 
     def run(self, captures: list[LayerCapture], stamp: int, grad_scale: Optional[float],
@@ -333,14 +335,14 @@ class KeptLaunch:
             if (cap is not kept or cap.kernel_slot is not slot or cap.taps_out != 1 or cap.has_pending_calls()
                     or (cap.module._parameters.get("bias") is not None) != bias):
                 return None
-        taken = self.ext.take_single(self.sinks, self.like, self.nh, self.hn, self.ns, self.sn)
+        taken = self.sinks.take()
         if taken is None:
             return None
         for cap in captures:
             cap.taps_out = 0
-        device = self.like[0].device
+        device = self.device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = self.ext.factor_update_taken_(taken, *self.args, 0.1 * gamma, 0.01 * gamma)
+            flags = self.factor_launch.run(taken, 0.1 * gamma, 0.01 * gamma)
             return CaptureReport.on_device(self.names, flags)
 
 
@@ -434,7 +436,7 @@ def update_factors(
     if keep is not None and keepable and captures and len(batches) == 1 and not report.not_fired:
         batch = next(iter(batches.values()))
         ext = _kernels.ext_for(batch.h[0])
-        if ext is not None and hasattr(ext, "factor_update_taken_") and not batch.fresh:
+        if ext is not None and hasattr(ext, "FactorLaunch") and not batch.fresh:
             keep.launch = KeptLaunch(batch, ext, stamp, grad_scale, counts)
     return report
 

@@ -1,7 +1,7 @@
 """A capture step that repeats the previous one takes its kept launch (``factors.KeptLaunch``).
 
-On the CPU, with the extension's real taps and sinks and its ``take_single`` (the factor
-update is the kernel's torch restatement): the sums it takes are each sink's one result or
+On the CPU, with the extension's real taps and sinks and its ``take_single`` and
+``SinkSet`` (the factor update, ``FactorLaunch``, is the kernel's torch restatement): the sums it takes are each sink's one result or
 nothing; training through kept launches gives the factors and weights of training without
 them, bit for bit, and every step that differs from the one kept (micro-batches, a layer
 that did not run, a new loss scale, statistics from the Python hooks, new layers) takes the
@@ -49,25 +49,34 @@ class Tapped(nn.Module):
 @pytest.fixture
 def kernels_on_cpu(ext, monkeypatch, tap_setting):  # noqa: F811
     """The capture path sees a stand-in extension for float32 CPU tensors: the real taps,
-    sinks and take_single, the factor update restated in torch (also for the sums take_single
-    took); ``calls`` counts the layers whose sums each kept launch took (0: refused).
+    sinks and ``SinkSet``, the factor update restated in torch (also ``FactorLaunch``, for
+    the sums a ``SinkSet`` took); ``calls`` counts the layers whose sums each kept launch
+    took (0: refused).
     ``with_take_single(False)`` leaves both out (no launch is then ever kept: the general
     path alone)."""
     calls: list[int] = []
 
-    def take_single(*args):
-        taken = ext.take_single(*args)
-        calls.append(0 if taken is None else len(taken))
-        return taken
+    class CountedSinkSet:  # the extension's SinkSet (host code), its takes counted
+        def __init__(self, *args):
+            self.set = ext.SinkSet(*args)
 
-    def factor_update_taken_(taken, *args):
-        return fake_factor_update_(taken.h, taken.s, *args)
+        def take(self):
+            taken = self.set.take()
+            calls.append(0 if taken is None else len(taken))
+            return taken
+
+    class FactorLaunch:  # the extension's contract, with the update restated in torch
+        def __init__(self, *args):
+            self.args = args
+
+        def run(self, taken, c_old, c_new):
+            return fake_factor_update_(taken.h, taken.s, *self.args, c_old, c_new)
 
     def stand_in(with_take_single: bool) -> types.SimpleNamespace:
         fake = types.SimpleNamespace(layer_stats=ext.layer_stats, TapPlan=ext.TapPlan, TapSink=ext.TapSink,
                                      factor_update_=fake_factor_update_)
         if with_take_single:
-            fake.take_single, fake.factor_update_taken_ = take_single, factor_update_taken_
+            fake.SinkSet, fake.FactorLaunch = CountedSinkSet, FactorLaunch
         return fake
 
     state = types.SimpleNamespace(calls=calls, fake=stand_in(True))
@@ -194,6 +203,21 @@ def test_take_single_takes_every_sinks_one_result_or_nothing(ext):  # noqa: F811
         ext.take_single(sinks, like[:2], *args)
     with pytest.raises(RuntimeError, match=r"sinks\[2\] appears twice"):
         ext.take_single([sinks[0], sinks[1], sinks[0]], like, *args)
+    # a SinkSet: the same arguments checked and converted once, the same contract per take
+    with pytest.raises(RuntimeError, match=r"sinks\[2\] appears twice"):
+        ext.SinkSet([sinks[0], sinks[1], sinks[0]], like, *args)
+    with pytest.raises(RuntimeError, match="one entry per sink"):
+        ext.SinkSet(sinks, like, [3, 3], *args[1:])
+    for s in sinks:
+        s.take()
+    wrong, right = ext.SinkSet(sinks, like, [3, 3, 2], *args[1:]), ext.SinkSet(sinks, like, *args)
+    assert len(right) == 3 and right.take() is None  # empty sinks
+    tap_all()
+    assert wrong.take() is None and [len(s) for s in sinks] == [1, 1, 1]
+    taken = right.take()
+    assert len(taken) == 3 and [len(s) for s in sinks] == [0, 0, 0]
+    tap_all()
+    assert len(right.take()) == 3  # again, next step
 
 
 def test_a_keeper_is_dropped_when_the_layers_change(kernels_on_cpu):
