@@ -5,12 +5,14 @@ backward pass is mostly convolution and matrix-multiply kernels (compute-bound),
 running the statistics on their own stream lets the GPU overlap the two instead of
 adding the statistics' time to the capture step.
 
-Off by default: measured on the H200 (ResNet-18 fp32 and bf16 + channels_last,
-ResNet-50, the GPT), the ordering costs the host more per layer (an event record and
-wait, the allocator told of two tensors: tens of microseconds on a slow host) than the
-overlap gives back, because a capture step is host-bound; with the side stream the
-step-synchronous capture step was never faster, and pipelined steps were equal.  A model
-whose backward leaves the host idle for long GPU kernels may still gain from it
+Off by default: the ordering costs the host per layer (an event record and wait, the
+allocator told of two tensors), which a host-bound capture step pays in full.  Measured
+on the H200: once the capture's host work had shrunk (the bench matrix at 44a1b7d) the
+side stream made the step-synchronous capture step 4-5% faster on ResNet-18 fp32,
+ResNet-50 and the GPT, and 3.5% slower on the host-bound bf16 + channels_last ResNet-18;
+in a run at 37a093b its pipelined ResNet-50 capture steps were slower (+10.3 ms above a
+normal step against +6.2) and its GPT ones faster (+2.1 against +2.8), peak memory equal.
+A model whose backward leaves the host idle for long GPU kernels may gain from it
 (``capture_stream=True``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
