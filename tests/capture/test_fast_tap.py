@@ -1,4 +1,4 @@
-"""A captured layer's forward that repeats the last one's plain tap takes it again through
+"""A captured layer's forward that repeats the last one's tap takes it again through
 ``LayerCapture.fast_tap``, after the same checks as the general path, inline: it must give
 the general path's statistics bit for bit, and any forward that differs (shapes, a
 ``no_capture()`` block, an evaluation forward, a frozen weight, taps off) must take the
