@@ -38,9 +38,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 namespace lightning_cafin {

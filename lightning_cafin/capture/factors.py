@@ -335,7 +335,7 @@ class KeptLaunch:
             return None
         for cap, kept, slot, bias in zip(captures, self.caps, self.slots, self.bias):  # (hot: ~40-110 layers)
             if (cap is not kept or cap.kernel_slot is not slot or cap.taps_out != 1 or cap.has_pending_calls()
-                    or (cap.module._parameters.get("bias") is not None) != bias):
+                    or _has_bias(cap) != bias):
                 return None
         taken = self.sinks.take()
         if taken is None:

@@ -15,7 +15,7 @@ whose statistics are that one call gets a tap registered on its output by one ex
 call in the forward instead of a Python tensor hook (one computing only the gradient's
 sums where the input's were read in the forward, below): the backward then runs no
 Python for it, and ``LayerCapture.pending`` takes the tap's results (a forward that
-repeats the layer's last plain tap takes it again after the same checks, inline:
+repeats the layer's last tap takes it again after the same checks, inline:
 ``_FastTap``).  With a
 frozen weight autograd need not keep the input, a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, and under a saved-tensor hook (activation
@@ -190,7 +190,7 @@ class LayerCapture:
     kernel_plan: Optional[tuple[tuple[int, float, bool], Optional[KernelPlan]]] = field(default=None, repr=False)
     #: the factor-update kernel's kept arguments for this layer (``factors.KernelSlot``)
     kernel_slot: Any = field(default=None, repr=False)
-    #: the last forward's plain tap, for the next forward that looks the same (``_FastTap``)
+    #: the last forward's C++ tap, for the next forward that looks the same (``_FastTap``)
     fast_tap: Any = field(default=None, repr=False)
     #: the module's hook slot while this capture owns it (``attach``; arming skips the
     #: process-wide lookup, a per-layer cost at every arming step)
