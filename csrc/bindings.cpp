@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "adafisher_step.h"
+#include "capture_hook.h"
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "capture_tap.h"
@@ -160,6 +161,36 @@ for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
 (input_op, input_div) computed in this call on the current stream (the ATen reference for a
 CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false);
+  py::class_<lightning_cafin::ForwardTapHook, std::shared_ptr<lightning_cafin::ForwardTapHook>>(
+      m, "ForwardTapHook",
+      R"doc(A captured layer's forward hook (nn.Module's with_kwargs signature) that repeats the
+layer's last tap in C++ where every condition the Python hook checks holds (capture_hook.h),
+and otherwise calls ``fallback`` (the Python hook) with the same arguments.  ``module``: the
+module it is registered on (held weakly); ``epoch_holder.value``: the settings epoch an open
+gate must match; ``saved_hooks_top``: torch's reader of the innermost saved-tensor hooks, or
+None where torch has none.)doc")
+      .def(py::init<py::object, py::handle, py::object, py::object>(), py::arg("fallback"), py::arg("module"),
+           py::arg("epoch_holder"), py::arg("saved_hooks_top"))
+      .def("__call__", &lightning_cafin::ForwardTapHook::call, py::arg("module"), py::arg("args"),
+           py::arg("kwargs"), py::arg("output"))
+      .def(
+          "repeat",
+          [](lightning_cafin::ForwardTapHook& self, py::handle capture, py::object gate, const at::Tensor& x,
+             const at::Tensor& output, py::object weight, std::shared_ptr<lightning_cafin::TapPlan> plan,
+             bool read_now) { self.repeat(capture, std::move(gate), x, output, std::move(weight), plan, read_now); },
+          R"doc(Repeat this forward's tap (plan.tap, or plan.tap_read when read_now) at the next
+forwards like it: the same shapes and dtypes as x and output, the same trained weight,
+while ``gate.epoch`` is the settings epoch (``gate.side``: the side stream); the tap counts
+up ``capture.taps_out`` (the capture held weakly).)doc",
+          py::arg("capture"), py::arg("gate"), py::arg("x"), py::arg("output"), py::arg("weight"), py::arg("plan"),
+          py::arg("read_now"))
+      .def("forget", &lightning_cafin::ForwardTapHook::forget, "Stop repeating: every call goes to the fallback.")
+      .def_property_readonly("repeating", &lightning_cafin::ForwardTapHook::repeating)
+      .def_property_readonly("fallback", &lightning_cafin::ForwardTapHook::fallback)
+      .def_property_readonly("_lightning_cafin_capture", [](const lightning_cafin::ForwardTapHook&) { return true; })
+      // a deep copy of a model copies its hook dicts: the hook is shared, as a Python function would be
+      .def("__copy__", [](py::object self) { return self; })
+      .def("__deepcopy__", [](py::object self, py::handle) { return self; }, py::arg("memo"));
   m.def("capture_side_enter", &lightning_cafin::side_enter,
         R"doc(Make the capture side stream of reads[0]'s device current on this thread, after it
 waits for the current stream's work, with every tensor of reads marked as read there.

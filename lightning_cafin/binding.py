@@ -22,6 +22,7 @@ from .backends import FactorView
 from .capture.factors import LaunchKeeper
 from .capture.hooks import LayerCapture, attach, can_disarm, detach, factor_tensors_replaced, set_armed
 from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
+from .capture.tap_gate import TapGate
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,14 @@ class LayerBinding:
         #: the last capture step's factor update, kept to repeat (``factors.KeptLaunch``); dropped
         #: whenever the bound layers change
         self.launch_keeper = LaunchKeeper()
+        #: open while the step-level conditions of a capture forward stand (``tap_gate.py``)
+        self.tap_gate = TapGate()
 
     def arm(self, armed: bool) -> None:
         """Put the hooks in place for a step that may capture, or take them out (``hooks.py``;
-        asked at every step, which also keeps the compile watcher registered)."""
+        asked at every step, which also keeps the compile watcher registered).  Called at
+        every change of the schedule, it also closes the capture forwards' gate."""
+        self.tap_gate.close()
         armed = armed or not can_disarm()
         if armed != self._armed:
             self._armed = armed
@@ -226,7 +231,7 @@ class LayerBinding:
                 continue
             cap = self._captures.get(name)
             if cap is None or cap.module is not module:
-                cap = LayerCapture(name, module, rule, self._is_capturing)
+                cap = LayerCapture(name, module, rule, self._is_capturing, gate=self.tap_gate)
             captures[name] = cap
             for p, slot in mine:
                 slots[id(p)] = (cap, slot)

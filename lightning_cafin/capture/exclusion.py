@@ -16,6 +16,8 @@ import contextlib
 import threading
 from typing import Iterator
 
+from .tap_gate import settings_changed
+
 _local = threading.local()
 _lock = threading.Lock()
 
@@ -25,6 +27,11 @@ class _Open:
     forward hook knows without reading the thread-local depth."""
 
     blocks = 0
+
+
+def any_open() -> bool:
+    """Whether a ``no_capture()`` block is open on any thread."""
+    return _Open.blocks > 0
 
 
 def excluded() -> bool:
@@ -37,6 +44,7 @@ def no_capture() -> Iterator[None]:
     """Forwards in this block (on this thread) add no factor statistics; blocks nest."""
     with _lock:
         _Open.blocks += 1
+        settings_changed()  # (the forwards' C++ repeat stops until the general path reopens it)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
@@ -44,3 +52,4 @@ def no_capture() -> Iterator[None]:
         _local.depth -= 1
         with _lock:
             _Open.blocks -= 1
+            settings_changed()

@@ -14,9 +14,11 @@ else by the rule's two partial methods.  With C++ gradient taps on (the default,
 whose statistics are that one call gets a tap registered on its output by one extension
 call in the forward instead of a Python tensor hook (one computing only the gradient's
 sums where the input's were read in the forward, below): the backward then runs no
-Python for it, and ``LayerCapture.pending`` takes the tap's results (a forward that
-repeats the layer's last tap takes it again after the same checks, inline:
-``_FastTap``).  With a
+Python for it, and ``LayerCapture.pending`` takes the tap's results.  A forward that
+repeats the layer's last tap runs no Python either: once a tap could be repeated, the
+module's hook dict holds the extension's ``ForwardTapHook`` in the Python hook's place,
+which makes the same checks and the same tap in C++ and calls the Python hook for any
+other forward (:func:`_repeat_next_time`, ``tap_gate.py``).  With a
 frozen weight autograd need not keep the input, a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, and under a saved-tensor hook (activation
 checkpointing, CPU offload: ``saved_tensors.py``) autograd drops or moves it, so then the
@@ -41,10 +43,11 @@ a ResNet-18 step whose host work is the bottleneck).  The owner's schedule arms 
 for any step that may capture (``set_armed``); they return to the same place, first.
 Once ``torch.compile`` starts compiling anything in the process, every hook is armed and
 stays armed: dynamo does not guard on module hooks, so a graph traced while a hook was out
-would never call it.  The compile-start watcher is registered again at every optimizer step
-(``torch._dynamo.reset()`` drops it); a compile started between such a reset and the next
-step, while the hooks are out, goes unnoticed, and its capture steps then warn that no
-forward reached the layers.
+would never call it; and any C++ forward hook gives way to its Python hook for good
+(dynamo cannot inspect it, and the Python hook is never traced, below).  The compile-start
+watcher is registered again at every optimizer step (``torch._dynamo.reset()`` drops it);
+a compile started between such a reset and the next step, while the hooks are out, goes
+unnoticed, and its capture steps then warn that no forward reached the layers.
 
 Under ``torch.compile`` the hook body is never traced: it reads Python state (the owner,
 the capture schedule) and mutates the pending statistics, which a traced graph would
@@ -73,6 +76,7 @@ from . import kernels as _kernels
 from . import exclusion, saved_tensors, streams, taps
 from .layers import LayerRule, gradient_tap
 from .rules.base import FusedStats, KernelPlan
+from .tap_gate import SettingsEpoch, TapGate
 
 #: how many (input, gradient) shape pairs a layer keeps fused descriptions for
 _FUSED_SHAPES = 64
@@ -190,11 +194,11 @@ class LayerCapture:
     kernel_plan: Optional[tuple[tuple[int, float, bool], Optional[KernelPlan]]] = field(default=None, repr=False)
     #: the factor-update kernel's kept arguments for this layer (``factors.KernelSlot``)
     kernel_slot: Any = field(default=None, repr=False)
-    #: the last forward's C++ tap, for the next forward that looks the same (``_FastTap``)
-    fast_tap: Any = field(default=None, repr=False)
     #: the module's hook slot while this capture owns it (``attach``; arming skips the
     #: process-wide lookup, a per-layer cost at every arming step)
     hook_slot: Any = field(default=None, repr=False)
+    #: the owner's gate (``tap_gate.py``); None: the forward never repeats a tap in C++
+    gate: Optional[TapGate] = field(default=None, repr=False)
 
     # S and H are properties, not a __setattr__ watching every name: the capture forward
     # hook sets a counter per layer (taps_out), which a Python __setattr__ would slow down
@@ -217,6 +221,22 @@ class LayerCapture:
         if value is not self._H:
             _FactorTensors.replaced += 1
         self._H = value
+
+    @property
+    def fast_tap(self) -> Any:
+        """The C++ forward hook repeating this layer's last tap (the extension's
+        ``ForwardTapHook``: :func:`_repeat_next_time`), or None while none is repeated.
+        Setting it to None forgets the repeat: the next forward takes the general path."""
+        slot = self.hook_slot
+        hook = None if slot is None else slot.cpp_hook
+        return hook if hook is not None and hook.repeating else None
+
+    @fast_tap.setter
+    def fast_tap(self, value: None) -> None:
+        if value is not None:
+            raise ValueError("LayerCapture.fast_tap can only be set to None (forget the repeated tap)")
+        if self.hook_slot is not None:
+            self.hook_slot.forget_repeat()
 
     @property
     def device(self) -> torch.device:
@@ -358,7 +378,7 @@ class _Slot:
     whether the hooks are in their dicts (see the module docstring).
     """
 
-    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "registered", "__weakref__")
+    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "registered", "cpp_hook", "python_hook", "__weakref__")
 
     def __init__(self, owner: LayerCapture):
         self.forward: Optional[_Registered] = None
@@ -368,6 +388,40 @@ class _Slot:
         self.owner: "weakref.ref[LayerCapture]" = weakref.ref(owner)
         #: the hooks this slot registered (``forward``, then ``tap``), once both are set
         self.registered: tuple[_Registered, ...] = ()
+        #: the extension's ``ForwardTapHook`` in the forward hook's place, once a tap was
+        #: repeatable, and the Python hook it calls otherwise (held here: it holds it weakly)
+        self.cpp_hook: Any = None
+        self.python_hook: Optional[Callable[..., None]] = None
+
+    def repeat_hook(self, ext: ModuleType, module: nn.Module) -> Any:
+        """The C++ forward hook, put in the Python hook's place on first use (it calls the
+        Python hook for every forward it does not repeat), or None where there is none: an
+        extension without it, a module with a ``gradient_tap``, anything compiled."""
+        cls = getattr(ext, "ForwardTapHook", None)
+        forward = self.forward
+        if cls is None or forward is None or self.tap is not None or _Compiling.seen:
+            return None
+        if type(self.cpp_hook) is not cls:  # (another extension's: tests' stand-ins)
+            self.python_only()
+            self.python_hook = forward.hook
+            self.cpp_hook = cls(forward.hook, module, SettingsEpoch, saved_tensors.top_reader())
+            forward.hook = self.cpp_hook
+            if self.armed:
+                forward.put(True)  # (the same key: its place first in the dict is kept)
+        return self.cpp_hook
+
+    def forget_repeat(self) -> None:
+        if self.cpp_hook is not None:
+            self.cpp_hook.forget()
+
+    def python_only(self) -> None:
+        """The Python hook back in the C++ hook's place (a compile started: dynamo must meet
+        the ``torch.compiler.disable``-d Python hook, not an object it cannot inspect)."""
+        hook, self.cpp_hook = self.cpp_hook, None
+        if hook is not None and self.forward is not None and self.python_hook is not None:
+            self.forward.hook, self.python_hook = self.python_hook, None
+            if self.armed:
+                self.forward.put(True)
 
     def set_armed(self, armed: bool) -> None:
         # never out once anything compiled; the owner's can_disarm() keeps the watcher registered
@@ -401,6 +455,7 @@ def keep_hooks_in_place(on: bool = True) -> bool:
     _Compiling.seen = bool(on)
     if on:
         for slot in list(_SLOTS.values()):
+            slot.python_only()
             slot.set_armed(True)
     return previous
 
@@ -463,9 +518,6 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     capture = slot.owner()
     if capture is None or capture.module is not module:
         return  # unbound, or a copy (copy.deepcopy of a model, e.g. an EMA, copies the hook dicts)
-    fast = capture.fast_tap
-    if fast is not None and tap is None and fast.tapped(capture, module, args, output):
-        return
     where = saved_tensors.state()
     if slot.tap is not None:
         if tap is None:
@@ -549,55 +601,29 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
     return None if ext is None else capture.tap_plan(ext, x, output)
 
 
-class _FastTap:
-    """A layer's last forward that took a C++ tap (``_tapped``): its input's and output's
-    shapes and dtypes, its weight, the plan and which tap, so that the next forward like it
-    takes the same tap after the same checks, inline, instead of through the general path's
-    calls (measured on a CPU: 2.4 of the ~21 microseconds an armed, tapped forward adds).
-    A forward that differs in any checked respect takes the general path, which decides
-    as before.
+def _repeat_next_time(capture: LayerCapture, x: Tensor, output: Tensor, plan: Any, read_now: bool) -> None:
+    """Open the owner's gate (``tap_gate.py``: every step-level condition was just checked),
+    and have the module's C++ forward hook (the extension's ``ForwardTapHook``) repeat this
+    tap at the next forwards like this one while it stays open.  The hook checks the rest per call, as
+    the general path does (measured on a CPU: about 10 of the ~17 microseconds an armed,
+    tapped forward adds are the general path's Python), and calls the Python hook for any
+    forward that differs, which decides as before.
 
-    Only the taps whose choice these checks settle are repeated: the plain tap (the input
-    held to the backward), and the tap reading the input in the forward because the layer
-    computed on an autocast copy (input and output dtypes differ); a tap reading it for a
-    frozen weight or under a saved-tensor hook is not, as the checks require neither."""
-
-    __slots__ = ("x_shape", "out_shape", "x_dtype", "out_dtype", "weight", "plan", "read_now")
-
-    def __init__(self, x: Tensor, output: Tensor, weight: Tensor, plan: Any, read_now: bool) -> None:
-        self.x_shape, self.out_shape, self.x_dtype, self.out_dtype = x.shape, output.shape, x.dtype, output.dtype
-        self.weight, self.plan, self.read_now = weight, plan, read_now
-
-    @classmethod
-    def of(cls, module: nn.Module, x: Tensor, output: Tensor, plan: Any, read_now: bool) -> Optional["_FastTap"]:
-        weight = module._parameters.get("weight")  # (a weight that is a property: no fast path)
-        if weight is None or read_now != _computed_on_a_cast(x, output):
-            return None
-        return cls(x, output, weight, plan, read_now)
-
-    def tapped(self, capture: LayerCapture, module: nn.Module, args: tuple, output: object) -> bool:
-        """Tap this forward as the last one was, where everything the general path checks is
-        as it was then: a training forward with grad on a capture step, outside
-        ``no_capture()`` and saved-tensor hooks, the same weight still trained, the same
-        shapes and dtypes, taps usable and the kernels taking both tensors."""
-        if not args or not isinstance(output, Tensor) or not module.training or not torch.is_grad_enabled():
-            return False
-        x = args[0]
-        if (not isinstance(x, Tensor) or not output.requires_grad or x.dtype is not self.x_dtype
-                or output.dtype is not self.out_dtype or x.shape != self.x_shape or output.shape != self.out_shape):
-            return False
-        weight = self.weight
-        if module._parameters.get("weight") is not weight or not weight.requires_grad:
-            return False
-        if (exclusion.excluded() or saved_tensors.state() != saved_tensors.NONE or not capture.is_capturing()
-                or not taps.usable() or _kernels.ext_for(x, output) is not capture.tap_ext):
-            return False
-        if self.read_now:
-            self.plan.tap_read(x.detach(), output, streams.side())
-        else:
-            self.plan.tap(x, output, streams.side())
-        capture.taps_out += 1
-        return True
+    Repeated: the plain tap (the input held to the backward), and the tap reading the input
+    in the forward because the layer computed on an autocast copy (input and output dtypes
+    differ); not a read for a frozen weight or under a saved-tensor hook, which the hook's
+    checks would not settle."""
+    slot, gate, module = capture.hook_slot, capture.gate, capture.module
+    if slot is None or gate is None or slot.owner() is not capture:
+        return
+    if not exclusion.any_open():  # (a block open on another thread: this step's forwards ask Python)
+        gate.open(streams.side())
+    weight = module._parameters.get("weight")  # (a weight that is a property: no repeat)
+    if weight is None or read_now != _computed_on_a_cast(x, output) or capture.tap_ext is None:
+        return
+    hook = slot.repeat_hook(capture.tap_ext, module)
+    if hook is not None:
+        hook.repeat(capture, gate, x, output, weight, plan, read_now)
 
 
 def _tapped(capture: LayerCapture, x: Tensor, output: Tensor, read_now: bool = False) -> bool:
@@ -610,7 +636,7 @@ def _tapped(capture: LayerCapture, x: Tensor, output: Tensor, read_now: bool = F
         return False
     (plan.tap_read if read_now else plan.tap)(x, output, streams.side())
     capture.taps_out += 1
-    capture.fast_tap = _FastTap.of(capture.module, x, output, plan, read_now)
+    _repeat_next_time(capture, x, output, plan, read_now)
     return True
 
 
@@ -689,6 +715,8 @@ def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
         slot.set_armed(armed)
         return None
     previous = slot.owner()
+    if previous is not capture:
+        slot.forget_repeat()  # (it fills the previous owner's sink)
     slot.owner = weakref.ref(capture)
     capture.hook_slot = slot
     if previous is not None and previous is not capture:

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .tap_gate import settings_changed
+
 IMPLS = ("auto", "torch", "kernels")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,6 +47,7 @@ def set_impl(name: str) -> str:
     global _impl
     value = check_impl(name, "capture implementation")
     previous, _impl = get_impl(), value
+    settings_changed()
     return previous
 
 

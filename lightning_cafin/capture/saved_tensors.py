@@ -37,6 +37,12 @@ def _reader() -> Optional[Callable[[bool], Any]]:
 _TOP = _reader()
 
 
+def top_reader() -> Optional[Callable[[bool], Any]]:
+    """torch's reader of the innermost active saved-tensor hooks (None where torch has none):
+    the C++ forward hook asks it per call, as :func:`state` does."""
+    return _TOP
+
+
 def state() -> str:
     """``NONE``: no saved-tensor hook is active (autograd keeps what it saves);
     ``RECOMPUTING``: non-reentrant checkpointing is recomputing a forward in the backward;

@@ -47,6 +47,7 @@ from typing import ContextManager, Iterator, Optional
 from torch import Tensor
 
 from . import kernels as _kernels
+from .tap_gate import settings_changed
 
 ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_STREAM"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -85,6 +86,7 @@ class EnvSwitch:
     def set(self, on: bool) -> bool:
         """Set it; returns the previous setting."""
         previous, self._value = self.get(), bool(on)
+        settings_changed()
         return previous
 
     @contextlib.contextmanager

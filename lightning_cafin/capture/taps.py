@@ -48,6 +48,7 @@ from types import ModuleType
 from typing import ContextManager
 
 from .streams import EnvSwitch
+from .tap_gate import settings_changed
 
 ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_TAP"
 
@@ -84,7 +85,10 @@ def note_compiled_autograd_config() -> None:
     """Read whether compiled autograd is configured for compiled backward calls (the
     optimizer calls this at every step; a process that never imported dynamo has not)."""
     config = sys.modules.get("torch._dynamo.config")
-    _CompiledAutograd.configured = bool(config is not None and getattr(config, "compiled_autograd", False))
+    configured = bool(config is not None and getattr(config, "compiled_autograd", False))
+    if configured != _CompiledAutograd.configured:
+        _CompiledAutograd.configured = configured
+        settings_changed()
 
 
 def usable() -> bool:

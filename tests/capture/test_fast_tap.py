@@ -12,18 +12,49 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_cafin import AdaFisher, no_capture
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture import taps
-from lightning_cafin.capture.hooks import LayerCapture
+from lightning_cafin.capture.hooks import LayerCapture, keep_hooks_in_place
 
 from .test_gradient_taps import ext, tap_setting  # noqa: F401  (fixtures)
 from .test_kept_launch import Tapped, _assert_same, kernels_on_cpu  # noqa: F401  (kernels_on_cpu: a fixture)
 
 STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def nothing_compiled():
+    """Once anything compiled in the process the Python hooks stay (``keep_hooks_in_place``):
+    these tests start as a process that compiled nothing."""
+    previous = keep_hooks_in_place(False)
+    yield
+    keep_hooks_in_place(previous)
+
+
+class _Float(nn.Module):
+    """Hands the next layer float32 (under autocast it then computes on a cast copy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def _plans_asked(monkeypatch) -> set[str]:
+    """The names of the layers whose forward asked the general path for a tap plan
+    (``LayerCapture.tap_plan``) since the set was last cleared: a repeated tap asks none."""
+    asked: set[str] = set()
+    plan_for = LayerCapture.tap_plan
+
+    def counted_tap_plan(self, *args):
+        asked.add(self.name)
+        return plan_for(self, *args)
+
+    monkeypatch.setattr(LayerCapture, "tap_plan", counted_tap_plan)
+    return asked
 
 
 def _train(model: Tapped, general_only: bool, monkeypatch) -> tuple[AdaFisher, list[set[str]], list[tuple]]:
@@ -34,14 +65,7 @@ def _train(model: Tapped, general_only: bool, monkeypatch) -> tuple[AdaFisher, l
     torch.manual_seed(1)
     opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
     caps = opt.binding.captures
-    asked: set[str] = set()
-    plan_for = LayerCapture.tap_plan
-
-    def counted_tap_plan(self, *args):
-        asked.add(self.name)
-        return plan_for(self, *args)
-
-    monkeypatch.setattr(LayerCapture, "tap_plan", counted_tap_plan)
+    asked = _plans_asked(monkeypatch)
     fast, health = [], []
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -88,39 +112,44 @@ def test_the_fast_tap_gives_the_general_paths_factors_and_is_taken_when_nothing_
     _assert_same(got, ref)
     assert health == ref_health
     assert ref_fast == [set()] * STEPS  # forgotten before every forward: never taken
+    # Each step's first forward (conv's) asks the general path, which opens the step's gate;
+    # the other layers repeat their last tap while it stays open.
     layers = set(got.binding.captures)
     assert fast[0] == set()  # the first forward takes the general path and records the taps
-    assert fast[1] == layers  # then every layer repeats its tap
+    assert fast[1] == layers - {"conv"}  # then every other layer repeats its tap
     assert fast[2] == set() and fast[3] == set()  # new shapes, then the old ones again
-    assert fast[4] == layers  # the validation forward before it changed nothing
-    assert fast[5] == layers - {"conv"}  # a frozen weight: its input is read in the forward
+    assert fast[4] == layers - {"conv"}  # the validation forward before it changed nothing
+    assert fast[5] == layers - {"conv"}  # (a frozen weight: conv's input is read in the forward)
     assert fast[6] == set()  # Python hooks
-    assert fast[7] == layers - {"conv"}  # (its read of the frozen weight's input left no fast tap)
+    assert fast[7] == layers - {"conv"}
     assert all(cap.refused == 0 for cap in got.binding.captures.values())
 
 
 def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(kernels_on_cpu, monkeypatch):  # noqa: F811
-    """Under autocast the first Linear gets float32 and computes on a bfloat16 copy (its input
-    read in the forward, ``TapPlan.tap_read``), the second gets bfloat16 (the plain tap): both
-    repeat their tap, and the factors equal the general path's."""
+    """Under autocast a Linear given float32 computes on a bfloat16 copy (its input read in the
+    forward, ``TapPlan.tap_read``), one given bfloat16 takes the plain tap: both repeat their
+    tap, and the factors equal the general path's.  (The first Linear, the step's first
+    forward, asks the general path at every step: that opens the step's gate.)"""
     lowp = (torch.float32, torch.bfloat16)
     monkeypatch.setattr(ck, "ext_for", lambda *t: kernels_on_cpu.fake if all(v.dtype in lowp for v in t) else None)
 
     def train(general_only: bool) -> tuple[AdaFisher, list[set[str]]]:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), _Float(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
         opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
         caps = opt.binding.captures
+        asked = _plans_asked(monkeypatch)
         fast = []
         for _ in range(4):
             opt.zero_grad()
             if general_only:
                 for cap in caps.values():
                     cap.fast_tap = None
-            before = {n: cap.fast_tap for n, cap in caps.items()}
+            asked.clear()
+            out_before = {n: cap.taps_out for n, cap in caps.items()}
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(5, 6)).float().square().mean()
-            fast.append({n for n, cap in caps.items() if before[n] is not None and cap.fast_tap is before[n]})
+            fast.append({n for n, cap in caps.items() if cap.taps_out > out_before[n] and n not in asked})
             loss.backward()
             opt.step()
         return opt, fast
@@ -131,4 +160,79 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
         want = ref.binding.captures[name]
         assert torch.equal(cap.H, want.H) and torch.equal(cap.S, want.S), name
     assert ref_fast == [set()] * 4
-    assert fast == [set(), {"0", "2"}, {"0", "2"}, {"0", "2"}]
+    assert fast == [set(), {"3", "5"}, {"3", "5"}, {"3", "5"}]
+
+
+def _capture_step(model: nn.Module, opt: AdaFisher, asked: set[str], **forward_kwargs) -> set[str]:
+    """One capture step; returns the layers whose tap was repeated by the C++ hook."""
+    caps = opt.binding.captures
+    opt.zero_grad()
+    asked.clear()
+    out_before = {n: cap.taps_out for n, cap in caps.items()}
+    x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 5, (4,))
+    loss = nn.functional.cross_entropy(model(x, **forward_kwargs), y)
+    repeated = {n for n, cap in caps.items() if cap.taps_out > out_before[n] and n not in asked}
+    loss.backward()
+    opt.step()
+    return repeated
+
+
+def test_forwards_under_a_saved_tensor_hook_and_after_a_compile_take_the_python_hook(
+    kernels_on_cpu, monkeypatch  # noqa: F811
+):
+    """Under a saved-tensor hook (checkpointing, CPU offload) the input is read in the forward,
+    which the repeat never does; once a compile starts, the Python hooks are back in every
+    hook dict (dynamo must meet the hook it never traces).  Both take the general path, with
+    the general path's factors."""
+    torch.manual_seed(0)
+    model = Tapped()
+    ref_model = copy.deepcopy(model)
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+    ref = AdaFisher(ref_model, lr=1e-3, TCov=1, backend="foreach")
+    asked = _plans_asked(monkeypatch)
+    layers = set(opt.binding.captures)
+    repeated = []
+    for step in range(5):
+        seed = torch.seed()
+        for m, o in ((ref_model, ref), (model, opt)):
+            for cap in ref.binding.captures.values():
+                cap.fast_tap = None
+            torch.manual_seed(seed)
+            if step == 2:
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    got = _capture_step(m, o, asked)
+            else:
+                if step == 3 and o is opt:
+                    keep_hooks_in_place(True)  # what a compile starting does
+                got = _capture_step(m, o, asked)
+        repeated.append(got)
+        hook_types = {type(hook).__name__ for hook in model.fc._forward_hooks.values()}
+        assert ("ForwardTapHook" in hook_types) == (step < 3), (step, hook_types)
+    _assert_same(opt, ref)
+    assert repeated == [set(), layers - {"conv"}, set(), set(), set()]
+
+
+def test_the_cpp_hook_lets_a_dropped_model_go_and_is_shared_by_a_deep_copy(kernels_on_cpu):  # noqa: F811
+    """The hook holds its Python hook, module, capture and weight weakly: a model and
+    optimizer dropped after repeated taps free their weights.  A deep copy of the model (an
+    EMA) shares the hook, as it would share a Python function, and its forwards add nothing."""
+    import gc
+    import weakref
+
+    model = Tapped()
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+    x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 5, (4,))
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.binding.captures["fc"].fast_tap is not None
+    copied = copy.deepcopy(model)
+    assert any(hook is opt.binding.captures["fc"].fast_tap for hook in copied.fc._forward_hooks.values())
+    taps_before = {n: cap.taps_out for n, cap in opt.binding.captures.items()}
+    copied(x).sum().backward()
+    assert {n: cap.taps_out for n, cap in opt.binding.captures.items()} == taps_before
+    weight = weakref.ref(model.fc.weight)
+    del model, opt, copied
+    gc.collect()
+    assert weight() is None

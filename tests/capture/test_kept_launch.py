@@ -74,7 +74,7 @@ def kernels_on_cpu(ext, monkeypatch, tap_setting):  # noqa: F811
 
     def stand_in(with_take_single: bool) -> types.SimpleNamespace:
         fake = types.SimpleNamespace(layer_stats=ext.layer_stats, TapPlan=ext.TapPlan, TapSink=ext.TapSink,
-                                     factor_update_=fake_factor_update_)
+                                     ForwardTapHook=ext.ForwardTapHook, factor_update_=fake_factor_update_)
         if with_take_single:
             fake.SinkSet, fake.FactorLaunch = CountedSinkSet, FactorLaunch
         return fake

@@ -1,0 +1,148 @@
+// The forward hook repeating a layer's last tap (capture_hook.h).
+#include "capture_hook.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace py = pybind11;
+
+namespace lightning_cafin {
+namespace {
+
+// Attribute names, interned once (a lookup per call then hashes nothing).
+struct Names {
+  PyObject *training, *parameters, *weight, *epoch, *value, *side, *taps_out, *compiled_autograd_enabled;
+  PyObject* compiled_autograd_module;
+  Names()
+      : training(PyUnicode_InternFromString("training")),
+        parameters(PyUnicode_InternFromString("_parameters")),
+        weight(PyUnicode_InternFromString("weight")),
+        epoch(PyUnicode_InternFromString("epoch")),
+        value(PyUnicode_InternFromString("value")),
+        side(PyUnicode_InternFromString("side")),
+        taps_out(PyUnicode_InternFromString("taps_out")),
+        compiled_autograd_enabled(PyUnicode_InternFromString("compiled_autograd_enabled")),
+        compiled_autograd_module(PyUnicode_InternFromString("torch._dynamo.compiled_autograd")) {}
+};
+const Names& names() {
+  static const Names* n = new Names();  // (never freed: the interpreter may outlive static destructors)
+  return *n;
+}
+
+// obj.name as a new reference, or null with no Python error left set.
+py::object attr(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+// obj.name is True (a missing attribute or an error: false).
+bool is_true(PyObject* obj, PyObject* name) {
+  const py::object v = attr(obj, name);
+  if (!v) return false;
+  const int t = PyObject_IsTrue(v.ptr());
+  if (t < 0) PyErr_Clear();
+  return t == 1;
+}
+
+// obj.name as an integer, or `otherwise` (not an int, missing).
+long long int_attr(PyObject* obj, PyObject* name, long long otherwise) {
+  const py::object v = attr(obj, name);
+  if (!v || !PyLong_Check(v.ptr())) return otherwise;
+  const long long out = PyLong_AsLongLong(v.ptr());
+  if (out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return otherwise;
+  }
+  return out;
+}
+
+bool compiled_autograd_enabled() {
+  const Names& n = names();
+  PyObject* module = PyDict_GetItem(PyImport_GetModuleDict(), n.compiled_autograd_module);  // borrowed
+  return module != nullptr && is_true(module, n.compiled_autograd_enabled);
+}
+
+}  // namespace
+
+ForwardTapHook::ForwardTapHook(py::object fallback, py::handle module, py::object epoch_holder,
+                               py::object saved_hooks_top)
+    : epoch_holder_(std::move(epoch_holder)), saved_hooks_top_(std::move(saved_hooks_top)) {
+  TORCH_CHECK(PyCallable_Check(fallback.ptr()), "ForwardTapHook: fallback must be callable");
+  fallback_ref_ = py::reinterpret_steal<py::object>(PyWeakref_NewRef(fallback.ptr(), nullptr));
+  if (!fallback_ref_) throw py::error_already_set();
+  module_ref_ = py::reinterpret_steal<py::object>(PyWeakref_NewRef(module.ptr(), nullptr));
+  if (!module_ref_) throw py::error_already_set();
+}
+
+py::object ForwardTapHook::fallback() const {
+  return py::reinterpret_borrow<py::object>(PyWeakref_GetObject(fallback_ref_.ptr()));
+}
+
+void ForwardTapHook::repeat(py::handle capture, py::object gate, const at::Tensor& x, const at::Tensor& output,
+                            py::object weight, std::shared_ptr<const TapPlan> plan, bool read_now) {
+  TORCH_CHECK(plan != nullptr, "ForwardTapHook.repeat: plan must be a TapPlan, got None");
+  TORCH_CHECK(THPVariable_Check(weight.ptr()), "ForwardTapHook.repeat: weight must be a tensor");
+  auto capture_ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(capture.ptr(), nullptr));
+  if (!capture_ref) throw py::error_already_set();
+  auto weight_ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(weight.ptr(), nullptr));
+  if (!weight_ref) throw py::error_already_set();
+  repeat_ = Repeat{std::move(capture_ref), std::move(gate), std::move(weight_ref), x.sizes().vec(),
+                   output.sizes().vec(), x.scalar_type(), output.scalar_type(), std::move(plan), read_now};
+}
+
+py::object ForwardTapHook::call(py::handle module, py::handle args, py::handle kwargs, py::handle output) {
+  if (repeat_ && tapped(*repeat_, module.ptr(), args.ptr(), output.ptr())) return py::none();
+  const py::object hook = fallback();
+  if (hook.is_none()) return py::none();  // its owner is gone: nothing is bound to this module
+  return hook(module, args, kwargs, output);
+}
+
+bool ForwardTapHook::tapped(const Repeat& r, PyObject* module, PyObject* args, PyObject* output) const {
+  const Names& n = names();
+  if (PyWeakref_GetObject(module_ref_.ptr()) != module) return false;
+  // the owner's gate, open at the current settings epoch (step-level conditions)
+  const long long epoch = int_attr(r.gate.ptr(), n.epoch, -1);
+  if (epoch < 0 || epoch != int_attr(epoch_holder_.ptr(), n.value, -2)) return false;
+  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1 || !THPVariable_Check(output)) return false;
+  PyObject* x_obj = PyTuple_GET_ITEM(args, 0);
+  if (!THPVariable_Check(x_obj) || !at::GradMode::is_enabled() || !is_true(module, n.training)) return false;
+  const at::Tensor& x = THPVariable_Unpack(x_obj);
+  const at::Tensor& out = THPVariable_Unpack(output);
+  if (!out.requires_grad() || x.scalar_type() != r.x_dtype || out.scalar_type() != r.out_dtype ||
+      x.sizes() != at::IntArrayRef(r.x_sizes) || out.sizes() != at::IntArrayRef(r.out_sizes)) {
+    return false;
+  }
+  const py::object params = attr(module, n.parameters);
+  if (!params || !PyDict_Check(params.ptr())) return false;
+  PyObject* weight = PyDict_GetItem(params.ptr(), n.weight);  // borrowed
+  if (weight == nullptr || !THPVariable_Check(weight) || weight != PyWeakref_GetObject(r.weight_ref.ptr()) ||
+      !THPVariable_Unpack(weight).requires_grad()) {
+    return false;
+  }
+  if (!saved_hooks_top_.is_none()) {  // saved-tensor hooks decide where x goes: the Python path reads it
+    PyObject* top = PyObject_CallOneArg(saved_hooks_top_.ptr(), Py_False);
+    if (top == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    const bool none = top == Py_None;
+    Py_DECREF(top);
+    if (!none) return false;
+  }
+  if (compiled_autograd_enabled()) return false;
+  PyObject* capture = PyWeakref_GetObject(r.capture_ref.ptr());  // borrowed
+  if (capture == Py_None) return false;
+  const py::object taps_out = attr(capture, n.taps_out);
+  if (!taps_out || !PyLong_Check(taps_out.ptr())) return false;
+  const bool side = is_true(r.gate.ptr(), n.side);
+  if (r.read_now) {
+    tap_read(r.plan, x.detach(), out, side);
+  } else {
+    tap(r.plan, x, out, side);
+  }
+  auto more = py::reinterpret_steal<py::object>(PyNumber_Add(taps_out.ptr(), py::int_(1).ptr()));
+  if (!more || PyObject_SetAttr(capture, n.taps_out, more.ptr()) < 0) throw py::error_already_set();
+  return true;
+}
+
+}  // namespace lightning_cafin
