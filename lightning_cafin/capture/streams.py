@@ -9,7 +9,8 @@ Off by default: the ordering costs the host per layer (an event record and wait,
 allocator told of two tensors), which a host-bound capture step pays in full.  Measured
 on the H200: once the capture's host work had shrunk (the bench matrix at 44a1b7d) the
 side stream made the step-synchronous capture step 4-5% faster on ResNet-18 fp32,
-ResNet-50 and the GPT, and 3.5% slower on the host-bound bf16 + channels_last ResNet-18;
+ResNet-50 and the GPT, and 3.5% slower on the host-bound bf16 + channels_last ResNet-18
+(1.7% faster there at 3055b31, with the forward's repeated taps in C++);
 in a run at 37a093b its pipelined ResNet-50 capture steps were slower (+10.3 ms above a
 normal step against +6.2) and its GPT ones faster (+2.1 against +2.8), peak memory equal.
 A model whose backward leaves the host idle for long GPU kernels may gain from it
