@@ -21,6 +21,12 @@
 //   kernels in use, no `no_capture()` block open; `gate.side` is the side-stream choice.
 // The tap made is TapPlan.tap (or TapPlan.tap_read of x detached, for a layer computing on
 // an autocast copy), and the capture's `taps_out` is counted up, as the Python path does.
+//
+// Every Python object it refers to but the gate is held weakly (the fallback, the module,
+// the capture, the weight): the garbage collector cannot see through this object, so a
+// strong reference from it into a reference cycle (the Python hook's closure refers to the
+// hook dict holding this object) would keep that cycle alive, and a dropped model's
+// weights must not live on in a hook.
 #pragma once
 
 #include <torch/extension.h>
@@ -41,9 +47,6 @@ class ForwardTapHook {
   // nn.Module's forward-hook call (with_kwargs): None where the repeat tapped, else the fallback's result
   pybind11::object call(pybind11::handle module, pybind11::handle args, pybind11::handle kwargs,
                         pybind11::handle output);
-  // (fallback and module are held weakly: the hook lives in the module's hook dict, and the
-  // Python hook's closure refers to that dict; a strong reference from this object, which
-  // the garbage collector cannot see through, would keep that cycle alive for ever)
   // Repeat this tap from now on where the conditions above hold (x and output: the forward just tapped).
   void repeat(pybind11::handle capture, pybind11::object gate, const at::Tensor& x, const at::Tensor& output,
               pybind11::object weight, std::shared_ptr<const TapPlan> plan, bool read_now);
@@ -53,8 +56,6 @@ class ForwardTapHook {
 
  private:
   struct Repeat {
-    // the capture and the weight weakly: the hook may outlive its model (a dropped model's
-    // hook dict is not always freed with it), and must not keep the weight's memory
     pybind11::object capture_ref, gate, weight_ref;
     std::vector<int64_t> x_sizes, out_sizes;
     at::ScalarType x_dtype, out_dtype;

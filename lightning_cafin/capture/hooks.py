@@ -604,10 +604,10 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
 def _repeat_next_time(capture: LayerCapture, x: Tensor, output: Tensor, plan: Any, read_now: bool) -> None:
     """Open the owner's gate (``tap_gate.py``: every step-level condition was just checked),
     and have the module's C++ forward hook (the extension's ``ForwardTapHook``) repeat this
-    tap at the next forwards like this one while it stays open.  The hook checks the rest per call, as
-    the general path does (measured on a CPU: about 10 of the ~17 microseconds an armed,
-    tapped forward adds are the general path's Python), and calls the Python hook for any
-    forward that differs, which decides as before.
+    tap at the next forwards like this one while it stays open.  The hook checks the rest
+    per call, as the general path does (measured on a CPU: about 10 of the ~17 microseconds
+    an armed, tapped forward adds are the general path's Python), and calls the Python hook
+    for any forward that differs, which decides as before.
 
     Repeated: the plain tap (the input held to the backward), and the tap reading the input
     in the forward because the layer computed on an autocast copy (input and output dtypes
@@ -619,11 +619,13 @@ def _repeat_next_time(capture: LayerCapture, x: Tensor, output: Tensor, plan: An
     if not exclusion.any_open():  # (a block open on another thread: this step's forwards ask Python)
         gate.open(streams.side())
     weight = module._parameters.get("weight")  # (a weight that is a property: no repeat)
-    if weight is None or read_now != _computed_on_a_cast(x, output) or capture.tap_ext is None:
-        return
-    hook = slot.repeat_hook(capture.tap_ext, module)
+    hook = None
+    if weight is not None and read_now == _computed_on_a_cast(x, output) and capture.tap_ext is not None:
+        hook = slot.repeat_hook(capture.tap_ext, module)
     if hook is not None:
         hook.repeat(capture, gate, x, output, weight, plan, read_now)
+    else:
+        slot.forget_repeat()  # (the last tap is the one to repeat, or none)
 
 
 def _tapped(capture: LayerCapture, x: Tensor, output: Tensor, read_now: bool = False) -> bool:

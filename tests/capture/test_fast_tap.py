@@ -1,11 +1,12 @@
-"""A captured layer's forward that repeats the last one's tap takes it again through
-``LayerCapture.fast_tap``, after the same checks as the general path, inline: it must give
-the general path's statistics bit for bit, and any forward that differs (shapes, a
-``no_capture()`` block, an evaluation forward, a frozen weight, taps off) must take the
-general path, which decides as before.
+"""A captured layer's forward that repeats the last one's tap takes it again in the C++
+forward hook (``LayerCapture.fast_tap``, the extension's ``ForwardTapHook``), after the
+same checks as the general path: it must give the general path's statistics bit for bit,
+and any forward that differs (shapes, a ``no_capture()`` block, an evaluation forward, a
+frozen weight, taps off, a saved-tensor hook, a compile started) must take the general
+path, which decides as before.
 
-Runs on the CPU with the stand-in extension of ``test_kept_launch`` (the real taps and
-sinks, the factor update restated in torch).
+Runs on the CPU with the stand-in extension of ``test_kept_launch`` (the real taps, sinks
+and forward hook, the factor update restated in torch).
 """
 
 from __future__ import annotations
@@ -163,14 +164,14 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
     assert fast == [set(), {"3", "5"}, {"3", "5"}, {"3", "5"}]
 
 
-def _capture_step(model: nn.Module, opt: AdaFisher, asked: set[str], **forward_kwargs) -> set[str]:
+def _capture_step(model: nn.Module, opt: AdaFisher, asked: set[str]) -> set[str]:
     """One capture step; returns the layers whose tap was repeated by the C++ hook."""
     caps = opt.binding.captures
     opt.zero_grad()
     asked.clear()
     out_before = {n: cap.taps_out for n, cap in caps.items()}
     x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 5, (4,))
-    loss = nn.functional.cross_entropy(model(x, **forward_kwargs), y)
+    loss = nn.functional.cross_entropy(model(x), y)
     repeated = {n for n, cap in caps.items() if cap.taps_out > out_before[n] and n not in asked}
     loss.backward()
     opt.step()
@@ -194,9 +195,9 @@ def test_forwards_under_a_saved_tensor_hook_and_after_a_compile_take_the_python_
     repeated = []
     for step in range(5):
         seed = torch.seed()
+        for cap in ref.binding.captures.values():
+            cap.fast_tap = None  # (the reference takes the general path throughout)
         for m, o in ((ref_model, ref), (model, opt)):
-            for cap in ref.binding.captures.values():
-                cap.fast_tap = None
             torch.manual_seed(seed)
             if step == 2:
                 with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
