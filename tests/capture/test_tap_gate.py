@@ -36,7 +36,7 @@ def test_a_new_gate_is_closed_and_close_closes_it():
 
 
 @pytest.mark.parametrize("change", ["no_capture", "taps", "side_stream", "impl", "compiled_autograd"])
-def test_every_change_of_a_setting_the_python_hook_reads_leaves_an_open_gate_behind(change, monkeypatch):
+def test_every_change_of_a_setting_the_python_hook_reads_leaves_an_open_gate_behind(change):
     gate = _opened()
     if change == "no_capture":
         with no_capture():
@@ -54,9 +54,8 @@ def test_every_change_of_a_setting_the_python_hook_reads_leaves_an_open_gate_beh
     else:
         import torch._dynamo.config as config
 
-        monkeypatch.setattr(config, "compiled_autograd", not config.compiled_autograd)
-        taps.note_compiled_autograd_config()
-        monkeypatch.undo()
+        with config.patch(compiled_autograd=not config.compiled_autograd):  # (its own patching: restored after)
+            taps.note_compiled_autograd_config()
         reopened = _opened()
         taps.note_compiled_autograd_config()  # (the setting back as it was: a change again)
         assert not reopened.is_open
