@@ -313,14 +313,14 @@ class KeptLaunch:
     arguments converted once).
     """
 
-    __slots__ = ("caps", "slots", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
+    __slots__ = ("caps", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
 
     def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
                  counts: list[tuple[float, float]]) -> None:
-        self.caps, self.slots = tuple(batch.caps), tuple(batch.slots)
+        self.caps = tuple(batch.caps)
         # per layer, what a repeat finds: its kept slot, one tap out, nothing committed in Python
         self.state = [(slot, 1, 0) for slot in batch.slots]
-        self.bias = [_has_bias(cap) for cap in batch.caps]
+        self.bias = _bias_presence(batch.caps)
         like = [slot.H for slot in batch.slots]  # (the device each layer's sums must be on)
         # both converted to C++ once: a list of a hundred entries through pybind per step
         # cost the step about 2 microseconds per layer (``SinkSet``, ``FactorLaunch``)
@@ -339,7 +339,7 @@ class KeptLaunch:
         # (hot: ~40-110 layers, read by map in C; a Python loop calling methods per layer cost
         # ~4 microseconds a layer on the H200's host)
         if (not all(map(operator.is_, captures, self.caps)) or list(map(_KEPT_STATE, captures)) != self.state
-                or [bias is not None for bias in map(_BIAS, map(_PARAMETERS, captures))] != self.bias):
+                or _bias_presence(captures) != self.bias):
             return None
         taken = self.sinks.take()
         if taken is None:
@@ -357,6 +357,11 @@ class KeptLaunch:
 _KEPT_STATE = operator.attrgetter("kernel_slot", "taps_out", "_pending.calls")
 _PARAMETERS = operator.attrgetter("module._parameters")
 _BIAS = operator.methodcaller("get", "bias")
+
+
+def _bias_presence(caps: Sequence[LayerCapture]) -> list[bool]:
+    """Per layer, :func:`_has_bias`, read by map (a kept launch asks it at every capture step)."""
+    return [bias is not None for bias in map(_BIAS, map(_PARAMETERS, caps))]
 
 
 def _launch_args(slots: list[KernelSlot]) -> tuple[list, ...]:
