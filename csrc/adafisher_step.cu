@@ -1,8 +1,9 @@
 // Fused AdaFisher / AdaFisherW optimizer step (ADAFISHER_SPEC.md, "The step").
 //
-// One multi-tensor launch per (param dtype, momentum dtype) call: every tensor is
-// cut into chunks of kStepChunkSize elements, one CUDA block per (tensor, chunk)
-// work item.  The chunking and the by-value metadata are multi_tensor_launch.cuh's;
+// One multi-tensor launch per (param dtype, momentum dtype) call, for up to
+// kStepMaxTensors tensors: every tensor is cut into chunks of kStepChunkSize elements,
+// one CUDA block per (tensor, chunk).  The by-value metadata and the block's (tensor,
+// chunk) lookup are multi_tensor_launch.cuh's;
 // this file holds the update math (one __device__ function per optimizer), the vector
 // loop that applies it, and the launchers, which return errors and throw nothing.
 //
@@ -38,9 +39,9 @@ namespace {
 
 using namespace vector_io;
 
-// The step kernel's by-value list: 32 parameters and 1024 (parameter, chunk) blocks per
-// launch.  The step counters' list: one thread per counter.
-using StepList = LaunchList<StepItem, kStepMaxTensors, kStepMaxBlocks>;
+// The step kernel's by-value list: kStepMaxTensors parameters of any size per launch.
+// The step counters' list: one thread per counter.
+using StepList = LaunchList<StepItem, kStepMaxTensors, /*kRanged=*/true>;
 using CounterList = LaunchList<float*, kIncMaxTensors>;
 constexpr int kIncBlockSize = 256;
 
@@ -115,9 +116,9 @@ adafisher_step_kernel(const StepList list,
 
   if (found_inf != nullptr && *found_inf != 0.f) return;  // uniform over the grid
 
-  const int t = list.blocks.slot[blockIdx.x];
-  const StepItem& item = list.item[t];
-  const int64_t start = static_cast<int64_t>(list.blocks.chunk[blockIdx.x]) * kStepChunkSize;
+  const UnitOf at = unit_of_block(list, static_cast<int32_t>(blockIdx.x));
+  const StepItem& item = list.item[at.slot];
+  const int64_t start = static_cast<int64_t>(at.unit) * kStepChunkSize;
   const int64_t left = item.numel - start;
   const int n = left < kStepChunkSize ? static_cast<int>(left) : kStepChunkSize;
 

@@ -219,7 +219,6 @@ stored <- stored * c_old + v_hat * c_new (stored read as ones when flags & 2).)d
   m.attr("CHUNK_SIZE") = lightning_cafin::kStepChunkSize;
   m.attr("BLOCK_SIZE") = lightning_cafin::kStepBlockSize;
   m.attr("MAX_TENSORS_PER_LAUNCH") = lightning_cafin::kStepMaxTensors;
-  m.attr("MAX_BLOCKS_PER_LAUNCH") = lightning_cafin::kStepMaxBlocks;
   m.attr("MAX_STEPS_PER_INCREMENT_LAUNCH") = lightning_cafin::kIncMaxTensors;
   m.attr("FACTOR_MAX_LAYERS_PER_LAUNCH") = lightning_cafin::kFactorMaxLayers;
 }

@@ -79,7 +79,7 @@ def layer_zoo() -> list[tuple[tuple, Optional[FactorView]]]:
 
 
 def big_zoo() -> list[tuple[tuple, Optional[FactorView]]]:
-    """Tensors spanning several 64K chunks, rows crossing chunk boundaries."""
+    """Tensors spanning several step chunks (16K elements), rows crossing chunk boundaries."""
     S, H = factors(300), factors(701)  # Linear(700 -> 300) with bias: 210000 elements
     return [
         ((300, 700), FactorView(S, H, 0, 700)),
@@ -243,7 +243,7 @@ def test_unaligned_storage_offsets(ext, oracle, offsets, dtype):
 def test_many_tensors_exceed_launch_capacity(ext, oracle):
     gen = torch.Generator().manual_seed(7)
     items = []
-    for i in range(500):
+    for i in range(ext.MAX_TENSORS_PER_LAUNCH + 52):
         rows = int(torch.randint(1, 40, (1,), generator=gen))
         cols = int(torch.randint(1, 40, (1,), generator=gen))
         if i % 3 == 2:
@@ -251,12 +251,10 @@ def test_many_tensors_exceed_launch_capacity(ext, oracle):
         else:
             items.append(((rows, cols), FactorView(factors(rows), factors(cols + 3), 2, cols)))
     items += big_zoo()
-    # one tensor with more 64K-element chunks than a launch holds blocks: it spans launches
-    rows, cols = ext.MAX_BLOCKS_PER_LAUNCH + 1, 65536 + 5
-    items.append(((rows, cols), FactorView(factors(rows), factors(cols), 0, cols)))
-    chunks = sum(-(-math.prod(shape) // 65536) for shape, _ in items)
+    # tensors of several chunks in the last slot of one launch and the first of the next
+    chunked = multi_chunk_item(ext)
+    items[ext.MAX_TENSORS_PER_LAUNCH - 1: ext.MAX_TENSORS_PER_LAUNCH + 1] = [chunked, chunked]
     assert len(items) > ext.MAX_TENSORS_PER_LAUNCH
-    assert chunks > ext.MAX_BLOCKS_PER_LAUNCH
     assert len(items) > ext.MAX_STEPS_PER_INCREMENT_LAUNCH
     prob = make_problem(items)
     ref = prob.copy()
@@ -271,25 +269,31 @@ def test_many_tensors_exceed_launch_capacity(ext, oracle):
     assert_problem_close(prob, ref, FP32_RTOL)
 
 
+def multi_chunk_item(ext) -> tuple[tuple, FactorView]:
+    """A Linear weight of several step chunks whose rows cross chunk boundaries."""
+    rows, cols = 5, 2 * ext.CHUNK_SIZE + 3
+    return (rows, cols), FactorView(factors(rows), factors(cols + 1), 1, cols)
+
+
 def launch_boundary_zoo(ext) -> list[tuple[tuple, Optional[FactorView]]]:
     """More tensors than one launch holds (and than one counter launch holds), tensors
-    whose chunks straddle a launch, a tensor with more chunks than a launch has blocks,
-    and empty tensors between them (skipped by the step launches, counted by the
-    increments)."""
+    of several chunks in the last slot of a launch and the first of the next, and empty
+    tensors between them (skipped by the step launches, counted by the increments)."""
     gen = torch.Generator().manual_seed(11)
     items: list[tuple[tuple, Optional[FactorView]]] = []
-    for i in range(ext.MAX_STEPS_PER_INCREMENT_LAUNCH + 20):
+    stepped = 0  # non-empty tensors so far: the step launches' slots
+    for i in range(max(ext.MAX_STEPS_PER_INCREMENT_LAUNCH, ext.MAX_TENSORS_PER_LAUNCH) + 20):
         if i % 97 == 5:
             items.append(((0,), None))
             continue
-        rows = int(torch.randint(1, 30, (1,), generator=gen))
-        cols = int(torch.randint(1, 30, (1,), generator=gen))
-        view = None if i % 4 == 3 else FactorView(factors(rows), factors(cols + 1), 1, cols)
-        items.append(((rows, cols), view))
-        if i % 61 == 7:  # several chunks, rows crossing chunk boundaries
-            items.append(((5, 65536 + 3), FactorView(factors(5), factors(65536 + 3), 0, 65536 + 3)))
-    rows, cols = 2, (ext.MAX_BLOCKS_PER_LAUNCH // 2 + 1) * 65536 - 3
-    items.insert(40, ((rows, cols), FactorView(factors(rows), factors(cols), 0, cols)))
+        if stepped % ext.MAX_TENSORS_PER_LAUNCH in (ext.MAX_TENSORS_PER_LAUNCH - 1, 0) or i % 61 == 7:
+            items.append(multi_chunk_item(ext))
+        else:
+            rows = int(torch.randint(1, 30, (1,), generator=gen))
+            cols = int(torch.randint(1, 30, (1,), generator=gen))
+            view = None if i % 4 == 3 else FactorView(factors(rows), factors(cols + 1), 1, cols)
+            items.append(((rows, cols), view))
+        stepped += 1
     return items
 
 
@@ -316,11 +320,13 @@ def step_op(ext, prob: Problem, lo: int, hi: int, decoupled: bool, **scalars) ->
 @pytest.mark.parametrize("dtype, momentum_dtype", LAUNCH_DTYPES)
 @pytest.mark.parametrize("decoupled", [False, True], ids=["adafisher", "adafisherw"])
 def test_launch_splitting_is_bitwise_invisible(ext, dtype, momentum_dtype, decoupled):
-    """One call over every tensor (many launches, tensors continued across launches, the
-    lr and found_inf read on the device) equals one call per tensor (one launch each, a
-    float lr, no found_inf) bit for bit, in every dtype instantiation of the kernel."""
+    """One call over every tensor (several launches, tensors of several chunks on both
+    sides of a launch boundary, the lr and found_inf read on the device) equals one call
+    per tensor (one launch each, a float lr, no found_inf) bit for bit, in every dtype
+    instantiation of the kernel."""
     whole = make_problem(launch_boundary_zoo(ext), dtype=dtype, momentum_dtype=momentum_dtype)
     assert len(whole.params) > ext.MAX_STEPS_PER_INCREMENT_LAUNCH
+    assert sum(p.numel() > 0 for p in whole.params) > ext.MAX_TENSORS_PER_LAUNCH
     apart = whole.copy()
     gs = torch.full((), 4.0, device=DEV)
     for _ in range(2):
