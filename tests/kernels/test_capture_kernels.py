@@ -272,6 +272,20 @@ def test_layernorm_stats(ext, impl, dtype, shape):
         close(got, want, STAT_RTOL)
 
 
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("rows", [1, 37, 3000])
+def test_channel_stats_of_rows_read_one_element_at_a_time(ext, dtype, rows):
+    """An odd channel count (an LM head's logits over an odd vocabulary) leaves rows off
+    the 16-byte grid: the rows kernel reads one element at a time; fewer rows than one
+    pass, a tail, and a split over the rows (the last block summing the partials) all
+    equal the float64 sums."""
+    t = randn((rows, 1001), dtype=dtype)
+    close(ext.channel_stats(t, 1, True, 0.0), t.double().square().sum(0), STAT_RTOL)
+    close(ext.channel_stats(t, -1, False, 7.0), t.double().sum(0) / 7.0, STAT_RTOL)
+    t3 = randn((2, rows, 1001), dtype=dtype)
+    close(ext.channel_stats(t3, 2, True, 0.0), t3.double().square().sum((0, 1)), STAT_RTOL)
+
+
 def test_channel_stats_direct_op_and_divisor(ext):
     t = randn((6, 5, 4))
     close(ext.channel_stats(t, 1, True, 0.0), t.double().square().sum((0, 2)), STAT_RTOL)
