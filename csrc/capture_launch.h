@@ -92,13 +92,23 @@ struct ChannelArgs {
   float post_mul;
 };
 
-// The channels-innermost kernel's grid: `lanes` threads per row (a power of two, at most
-// 32) of `vec`-channel vectors, and `tiles` blocks along the channels.
+// How the channels-innermost kernel reads a row (capture_stats.cu says more): 16-byte
+// loads on the grid (kVector), 16-byte loads realigned across lanes for wide 2-byte rows
+// off the grid (kShifted), or one element a lane for the other rows off it (kScalar).
+enum class RowsRead { kVector, kShifted, kScalar };
+
+// Its grid for a.t's rows: `lanes` threads per row (a power of two, at most 32) and
+// `tiles` blocks along the channels.  The op plans its splits and the launcher launches
+// from this one answer.
 struct ChannelRowsShape {
+  RowsRead read;
   int lanes;
   int64_t tiles;
 };
-ChannelRowsShape channel_rows_shape(int64_t O, int vec);
+ChannelRowsShape channel_rows_shape(const ChannelArgs& a, int element_size);
+// How many of its blocks of kRowsBlock threads an SM of the current device holds at once
+// (its registers decide: measured by the runtime, cached); 1 if that cannot be asked.
+int channel_rows_blocks_per_sm(RowsRead read, at::ScalarType dtype);
 
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
                                  int nsplit, float* ws, unsigned* counters, float* out,

@@ -39,6 +39,27 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::max(lo, std::min(v, hi)); }
 
+// Splits n in [1, most] of a reduction over `tiles` blocks each, for a device that runs
+// `slots` blocks at once: the fewest whose last wave is (nearly) full.  A launch takes
+// ceil(tiles * n / slots) waves of a block's work / n, so a last wave of a few blocks
+// costs as much as a full one: 9 tiles at 264 slots took 30 splits (270 blocks, two
+// waves, the H200 read an 8192 x 2304 bf16 gradient at 1.5 TB/s) where 29 is one wave.
+int64_t wave_fitted_splits(int64_t tiles, int64_t slots, int64_t most) {
+  most = std::max<int64_t>(1, most);
+  const double bound = static_cast<double>(tiles) / static_cast<double>(slots);  // the cost with no idle slot
+  int64_t best = 1;
+  double best_cost = std::numeric_limits<double>::infinity();
+  for (int64_t n = 1; n <= most; ++n) {
+    const double cost = static_cast<double>(ceil_div(tiles * n, slots)) / static_cast<double>(n);
+    if (cost <= 1.02 * bound) return n;
+    if (cost < best_cost) {
+      best = n;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 // (size, stride) of dims [begin, end) merged into one, or {-1, -1} when they cannot be.
 std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64_t end) {
   int64_t size = 1, stride = 0;
@@ -252,17 +273,17 @@ ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
-  // Blocks per SM: two of the rows kernel's kRowsBlock threads, kRowsUnroll 16-byte loads
-  // each, keep 64 KiB in flight (what the memory needs; capture_launch.h has the
-  // measurements), and every further split lengthens its last block's sum of the
-  // partials; the middle kernel keeps fewer loads in flight and sums only one partial
-  // per split.
+  // The rows kernel: as many blocks as the SMs hold at once (two of kRowsBlock threads
+  // with kRowsUnroll 16-byte loads each keep 64 KiB in flight an SM: what the memory
+  // needs, capture_launch.h has the measurements), in whole waves (wave_fitted_splits);
+  // the middle kernel keeps fewer loads in flight and sums only one partial per split.
   const int64_t sms = static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
   if (p.rows) {
-    const ChannelRowsShape shape = channel_rows_shape(O, 16 / static_cast<int>(p.t.element_size()));
+    const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(p.t.element_size()));
     const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
-    nsplit = clamp64(ceil_div(2 * sms, shape.tiles), 1, std::max<int64_t>(1, ceil_div(a.A * a.P, rows_per_split)));
+    const int64_t slots = sms * channel_rows_blocks_per_sm(shape.read, p.t.scalar_type());
+    nsplit = wave_fitted_splits(shape.tiles, slots, std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
   } else {
     nsplit = clamp64(ceil_div(8 * sms, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
   }

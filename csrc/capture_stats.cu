@@ -18,9 +18,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -456,57 +460,151 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 // ---------------------------------------------------------------------------
 // Per-channel statistics, channels innermost (so == 1): block (channel tile, split).
 // `lanes` threads (a power of two, the fewest that span the channels, at most 32) cover
-// a row's `lanes * V` channels of the tile, so a warp reads 32 / lanes rows at once and
-// narrow rows (64 bf16 channels: 8 vectors) keep every lane busy; each thread keeps
-// kUnroll rows in flight (kBlock and kUnroll are template arguments so that other
-// shapes can be measured against the defaults).  Rows r run over (a, p), offset
-// a*sa + p*sp.
+// a row's channels of the tile, so a warp reads 32 / lanes rows at once and narrow rows
+// (64 bf16 channels: 8 vectors) keep every lane busy; each thread keeps kUnroll rows'
+// loads in flight, held as the loaded bytes until summed (16 registers for four 16-byte
+// loads, not 32 floats: what keeps two 512-thread blocks on an SM).  Rows r run over
+// (a, p), offset a*sa + p*sp.  How a row is read (channel_rows_shape picks it):
+//  * kVector: every tile's row starts on the 16-byte grid; lane l reads channels
+//    [l*V, l*V + V) of the tile as one 16-byte load.
+//  * kShifted: 2-byte rows that start anywhere (an odd vocabulary's logits, a sliced
+//    view): lane l reads the l-th 16 bytes of the grid from the tile's first element
+//    down, and takes its V channels from its own bytes and its right neighbour's (a
+//    shuffle, then a funnel shift by the row's offset from the grid).  The last lane only
+//    lends its bytes, so a tile is 31 vectors wide.  On the H200 an 8192 x 50257 bf16
+//    LM-head gradient took 258 us so (3.2 TB/s), 327 us read one element a lane.
+//  * kScalar: one element a lane: fp32 rows off the grid (a warp reads 128 bytes), and
+//    2-byte rows narrower than 32 vectors.
+// (kBlock and kUnroll are template arguments so that other shapes can be measured
+// against the defaults.)
 // ---------------------------------------------------------------------------
-template <typename T, int V, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& w, float (&dst)[16 / sizeof(T)]) {
+  Pack16<T> pk;
+  static_assert(sizeof(pk) == sizeof(w), "a pack is 16 bytes");
+  memcpy(&pk, &w, sizeof(w));
+#pragma unroll
+  for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) dst[j] = to_float(pk.v[j]);
+}
+
+// The 16 bytes that start `shift` (0..15) bytes into lo:hi (lo at the lower address).
+// The word offset is a template argument: indexed at run time, the words took six
+// selects each, and the kernel was bound by issuing them.
+template <int Q>
+__device__ __forceinline__ uint4 bytes_at_words(const uint4& lo, const uint4& hi, unsigned bits) {
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  return make_uint4(__funnelshift_r(w[Q], w[Q + 1], bits), __funnelshift_r(w[Q + 1], w[Q + 2], bits),
+                    __funnelshift_r(w[Q + 2], w[Q + 3], bits), __funnelshift_r(w[Q + 3], w[Q + 4], bits));
+}
+
+// (shift is the same across a warp: the rows kernel's shifted read gives a warp one row.)
+__device__ __forceinline__ uint4 bytes_at(const uint4& lo, const uint4& hi, int shift) {
+  const unsigned bits = static_cast<unsigned>(shift & 3) * 8u;
+  switch (shift >> 2) {
+    case 0:
+      return bytes_at_words<0>(lo, hi, bits);
+    case 1:
+      return bytes_at_words<1>(lo, hi, bits);
+    case 2:
+      return bytes_at_words<2>(lo, hi, bits);
+    default:
+      return bytes_at_words<3>(lo, hi, bits);
+  }
+}
+
+__device__ __forceinline__ uint4 shfl_down16(const uint4& v, int lanes) {
+  return make_uint4(__shfl_down_sync(0xffffffffu, v.x, 1, lanes), __shfl_down_sync(0xffffffffu, v.y, 1, lanes),
+                    __shfl_down_sync(0xffffffffu, v.z, 1, lanes), __shfl_down_sync(0xffffffffu, v.w, 1, lanes));
+}
+
+template <int V>
+__device__ __forceinline__ void add_stats(const ChannelArgs& a, const float (&v)[V], float (&acc)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
+}
+
+template <typename T, RowsRead kRead, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
 __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t, int lanes,
                                                               int nsplit, float* __restrict__ partials,
                                                               unsigned* __restrict__ counters,
                                                               float* __restrict__ dst) {
+  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
   __shared__ float smem[kBlock * V];
   const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
-  const int pass = kBlock / lanes;  // rows per block pass
-  const int width = lanes * V;      // channels per tile
+  const int pass = kBlock / lanes;   // rows per block pass
+  const int stride = lanes * V;      // smem floats per pass row
+  const int width = kRead == RowsRead::kShifted ? stride - V : stride;  // channels per tile
   const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * width;
   const int64_t o = tile0 + static_cast<int64_t>(cl) * V;
   const Range rr = split_range(a.A * a.P, nsplit, blockIdx.y);
+  const bool flat = a.P == 1 || a.sa == a.P * a.sp;
+  const int64_t rs = a.P == 1 ? a.sa : a.sp;
+  auto row = [&](int64_t q) { return t + (flat ? q * rs : (q / a.P) * a.sa + (q % a.P) * a.sp) + tile0; };
   float acc[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
-  if (o < a.O) {
-    const bool flat = a.P == 1 || a.sa == a.P * a.sp;
-    const int64_t rs = a.P == 1 ? a.sa : a.sp;
+  if constexpr (kRead == RowsRead::kShifted) {
+    // Every lane takes part in the shuffles (lanes == 32: a warp is one row).  The last
+    // lane's sums (the next tile's first vector) and a last tile's channels past O (the
+    // next row's) are summed like the others and never written: the sums below read
+    // columns c < width, and write only channels below O.
+    const int64_t tile_bytes = (a.O - tile0 < width ? a.O - tile0 : width) * static_cast<int64_t>(sizeof(T));
     for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kUnroll) {
-      float v[kUnroll][V];
+      uint4 raw[kUnroll];
+      int shift[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t q = r + static_cast<int64_t>(u) * pass;
+        raw[u] = make_uint4(0u, 0u, 0u, 0u);
+        shift[u] = 0;
         if (q < rr.hi) {
-          load_vec<V>(v[u], t + (flat ? q * rs : (q / a.P) * a.sa + (q % a.P) * a.sp) + o);
-        } else {
-#pragma unroll
-          for (int j = 0; j < V; ++j) v[u][j] = 0.f;
+          const uintptr_t first = reinterpret_cast<uintptr_t>(row(q));
+          shift[u] = static_cast<int>(first & 15u);
+          const uintptr_t mine = first - shift[u] + 16u * static_cast<unsigned>(cl);
+          // the 16 bytes on the grid that hold any of the tile's bytes lie in its allocation
+          if (mine < first + tile_bytes) raw[u] = __ldg(reinterpret_cast<const uint4*>(mine));
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+        float v[V];
+        unpack16<T>(bytes_at(raw[u], shfl_down16(raw[u], lanes), shift[u]), v);
+        add_stats<V>(a, v, acc);
+      }
+    }
+  } else if (o < a.O) {
+    using Raw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
+    for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kUnroll) {
+      Raw raw[kUnroll];
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[u][j], v[u][j], acc[j]) : acc[j] + v[u][j];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t q = r + static_cast<int64_t>(u) * pass;
+        if constexpr (kRead == RowsRead::kScalar) {
+          raw[u] = q < rr.hi ? row(q)[cl] : T(0.f);
+        } else {
+          raw[u] = q < rr.hi ? __ldg(reinterpret_cast<const uint4*>(row(q) + cl * V)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float v[V];
+        if constexpr (kRead == RowsRead::kScalar) {
+          v[0] = to_float(raw[u]);
+        } else {
+          unpack16<T>(raw[u], v);
+        }
+        add_stats<V>(a, v, acc);
       }
     }
   }
-  // smem[ry * width + cl * V + j]: thread c < width sums column c over the pass's rows, in order
+  // smem[ry * stride + cl * V + j]: thread c < width sums column c over the pass's rows, in order
 #pragma unroll
   for (int j = 0; j < V; ++j) smem[threadIdx.x * V + j] = acc[j];
   __syncthreads();
   const int c = threadIdx.x;
   float s = 0.f;
   if (c < width) {
-    for (int y = 0; y < pass; ++y) s += smem[y * width + c];
+    for (int y = 0; y < pass; ++y) s += smem[y * stride + c];
   }
   const bool mine = c < width && tile0 + c < a.O;
   if (nsplit == 1) {
@@ -526,7 +624,7 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, con
     groups = kBlock / quads;
     const int g = threadIdx.x / quads, q = threadIdx.x % quads;
     float4 part = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (tile0 + 4 * q < a.O) {
+    if (g < groups && tile0 + 4 * q < a.O) {
 #pragma unroll 8
       for (int k = g; k < nsplit; k += groups) {
         const float4 v = __ldcg(reinterpret_cast<const float4*>(partials + static_cast<int64_t>(k) * a.O + tile0 + 4 * q));
@@ -536,16 +634,18 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, con
         part.w += v.w;
       }
     }
-    float* slot = smem + g * width + 4 * q;
-    slot[0] = part.x;
-    slot[1] = part.y;
-    slot[2] = part.z;
-    slot[3] = part.w;
+    if (g < groups) {  // (a tile of 31 vectors leaves threads past the last group)
+      float* slot = smem + g * width + 4 * q;
+      slot[0] = part.x;
+      slot[1] = part.y;
+      slot[2] = part.z;
+      slot[3] = part.w;
+    }
   } else {
     groups = kBlock / width;
     const int g = threadIdx.x / width, cc = threadIdx.x % width;
     float part = 0.f;
-    if (tile0 + cc < a.O) {
+    if (g < groups && tile0 + cc < a.O) {
 #pragma unroll 8
       for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
     }
@@ -616,12 +716,21 @@ __device__ MinMaxNan block_min_max_nan(float lo, float hi, int nan, float* smem 
   return r;
 }
 
+// Block (layer, chunk): every chunk's block finds its layer's min / max over the whole
+// vectors (the same reductions in the same order, so every block agrees), then normalises and
+// folds its own kFactorChunk entries of H and S.  With one block a layer, the 50257
+// divisions of an LM head's S by one SM took ~100 us on the H200.
+constexpr int kFactorChunk = 4096;
+
 __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList list, float c_old, float c_new,
                                                                       int32_t* __restrict__ nan_flags) {
   __shared__ float smem[96];
   const FactorItem& it = list.item[blockIdx.x];
   int32_t* const nan_flag = nan_flags + list.first + blockIdx.x;
   const int nH = it.kind == 1 ? 2 : it.nh + ((it.flags & kFactorAppend) ? 1 : 0);
+  const int chunk = blockIdx.y;
+  const int64_t lo = static_cast<int64_t>(chunk) * kFactorChunk, hi = lo + kFactorChunk;
+  if (chunk > 0 && lo >= (nH > it.ns ? nH : it.ns)) return;  // (this layer's vectors are shorter)
 
   float h0 = 0.f;  // two-column layers: sum h^2 * inv_hn
   if (it.kind == 1) {
@@ -650,19 +759,19 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList
   const MinMaxNan hr = block_min_max_nan(hlo, hhi, nan, smem);
   const MinMaxNan sr = block_min_max_nan(slo, shi, 0, smem);
   if (hr.nan) {
-    if (threadIdx.x == 0) *nan_flag = 1;
+    if (chunk == 0 && threadIdx.x == 0) *nan_flag = 1;
     return;
   }
-  if (threadIdx.x == 0) *nan_flag = 0;
+  if (chunk == 0 && threadIdx.x == 0) *nan_flag = 0;
   const bool init = (it.flags & kFactorInit) != 0;
   const float hd = __fadd_rn(__fsub_rn(hr.hi, hr.lo), 1e-6f);
-  for (int j = threadIdx.x; j < nH; j += kCaptureBlock) {
+  for (int j = static_cast<int>(lo) + threadIdx.x; j < nH && j < hi; j += kCaptureBlock) {
     const float v = __fdiv_rn(__fsub_rn(map_inf(h_raw(it, j, h0)), hr.lo), hd);
     const float old = init ? 1.f : it.H[j];
     it.H[j] = __fadd_rn(__fmul_rn(old, c_old), __fmul_rn(v, c_new));
   }
   const float sd = __fadd_rn(__fsub_rn(sr.hi, sr.lo), 1e-6f);
-  for (int i = threadIdx.x; i < it.ns; i += kCaptureBlock) {
+  for (int i = static_cast<int>(lo) + threadIdx.x; i < it.ns && i < hi; i += kCaptureBlock) {
     const float v = __fdiv_rn(__fsub_rn(map_inf(s_raw(it, i)), sr.lo), sd);
     const float old = init ? 1.f : it.S[i];
     it.S[i] = __fadd_rn(__fmul_rn(old, c_old), __fmul_rn(v, c_new));
@@ -701,11 +810,53 @@ inline unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kCaptu
 
 }  // namespace
 
-ChannelRowsShape channel_rows_shape(int64_t O, int vec) {
-  const int64_t vectors = (O + vec - 1) / vec;
-  int lanes = 1;
-  while (lanes < 32 && lanes < vectors) lanes *= 2;
-  return {lanes, (vectors + lanes - 1) / lanes};
+ChannelRowsShape channel_rows_shape(const ChannelArgs& a, int element_size) {
+  const int vec = 16 / element_size;
+  const int64_t vectors = (a.O + vec - 1) / vec;
+  const bool on_grid = a.O % vec == 0 && a.sa % vec == 0 && (a.P == 1 || a.sp % vec == 0) && is_aligned16(a.t);
+  auto fewest_lanes = [](int64_t n) {
+    int lanes = 1;
+    while (lanes < 32 && lanes < n) lanes *= 2;
+    return lanes;
+  };
+  if (on_grid) {
+    const int lanes = fewest_lanes(vectors);
+    return {RowsRead::kVector, lanes, (vectors + lanes - 1) / lanes};
+  }
+  // (fp32 rows stay one element a lane: a warp's read is then 128 bytes already, and the
+  // H200 read a 4096 x 50257 fp32 gradient at 3.9 TB/s so, 3.3 realigned)
+  if (vectors >= 32 && element_size < 4) return {RowsRead::kShifted, 32, (a.O + 31 * vec - 1) / (31 * vec)};
+  const int lanes = fewest_lanes(a.O);
+  return {RowsRead::kScalar, lanes, (a.O + lanes - 1) / lanes};
+}
+
+int channel_rows_blocks_per_sm(RowsRead read, at::ScalarType dtype) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, int> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  const auto key = std::make_tuple(dev, static_cast<int>(read), static_cast<int>(dtype));
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  const cudaError_t err = dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    switch (read) {
+      case RowsRead::kVector:
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, channel_rows_kernel<T, RowsRead::kVector>, kRowsBlock, 0);
+      case RowsRead::kShifted:
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, channel_rows_kernel<T, RowsRead::kShifted>, kRowsBlock, 0);
+      default:
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, channel_rows_kernel<T, RowsRead::kScalar>, kRowsBlock, 0);
+    }
+  });
+  if (err != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();  // (clear it: the next launch's check must not see it)
+    n = 1;
+  }
+  cache.emplace(key, n);
+  return n;
 }
 
 int capture_sm_count() {
@@ -779,14 +930,15 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
     constexpr int kV = 16 / sizeof(T);
     const T* t = static_cast<const T*>(a.t);
     if (rows_kernel) {
-      // channels innermost: vectors along the channels
-      const bool vec = a.O % kV == 0 && a.sa % kV == 0 && (a.P == 1 || a.sp % kV == 0) && is_aligned16(t);
-      const ChannelRowsShape shape = channel_rows_shape(a.O, vec ? kV : 1);
+      const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(sizeof(T)));
       const dim3 grid(static_cast<unsigned>(shape.tiles), nsplit);
-      if (vec) {
-        channel_rows_kernel<T, kV><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
+      if (shape.read == RowsRead::kVector) {
+        channel_rows_kernel<T, RowsRead::kVector><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
+      } else if (shape.read == RowsRead::kShifted) {
+        channel_rows_kernel<T, RowsRead::kShifted><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters,
+                                                                                     out);
       } else {
-        channel_rows_kernel<T, 1><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
+        channel_rows_kernel<T, RowsRead::kScalar><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
       }
     } else {
       const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
@@ -803,8 +955,15 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
                                  cudaStream_t stream) {
+  int64_t longest = 1;  // entries of the longest H or S: the chunks along the grid's y
+  for (int i = 0; i < n; ++i) {
+    const FactorItem& it = items[i];
+    const int64_t nH = it.kind == 1 ? 2 : it.nh + ((it.flags & kFactorAppend) ? 1 : 0);
+    longest = std::max<int64_t>(longest, std::max<int64_t>(nH, it.ns));
+  }
+  const unsigned chunks = static_cast<unsigned>((longest + kFactorChunk - 1) / kFactorChunk);
   return launch_items<FactorList>(items, static_cast<size_t>(n), OneUnitEach{}, [&](const FactorList& list, int layers) {
-    factor_update_kernel<<<layers, kCaptureBlock, 0, stream>>>(list, c_old, c_new, nan_flags);
+    factor_update_kernel<<<dim3(layers, chunks), kCaptureBlock, 0, stream>>>(list, c_old, c_new, nan_flags);
     return cudaGetLastError();
   });
 }

@@ -274,16 +274,23 @@ def test_layernorm_stats(ext, impl, dtype, shape):
 
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize("rows", [1, 37, 3000])
-def test_channel_stats_of_rows_read_one_element_at_a_time(ext, dtype, rows):
-    """An odd channel count (an LM head's logits over an odd vocabulary) leaves rows off
-    the 16-byte grid: the rows kernel reads one element at a time; fewer rows than one
+@pytest.mark.parametrize("channels", [37, 497, 1001])
+def test_channel_stats_of_rows_off_the_16_byte_grid(ext, dtype, rows, channels):
+    """Rows off the 16-byte grid: an odd channel count (an LM head's logits over an odd
+    vocabulary) or a view that starts mid-row, every row at a different offset from the
+    grid.  Wide fp16/bf16 rows are read as 16-byte loads realigned across lanes, in tiles
+    of 31 vectors (497 channels: two whole tiles and one channel over; 1001: a last tile
+    part full); fp32 rows and narrow ones (37) one element a lane.  Fewer rows than one
     pass, a tail, and a split over the rows (the last block summing the partials) all
     equal the float64 sums."""
-    t = randn((rows, 1001), dtype=dtype)
+    t = randn((rows, channels), dtype=dtype)
     close(ext.channel_stats(t, 1, True, 0.0), t.double().square().sum(0), STAT_RTOL)
     close(ext.channel_stats(t, -1, False, 7.0), t.double().sum(0) / 7.0, STAT_RTOL)
-    t3 = randn((2, rows, 1001), dtype=dtype)
+    t3 = randn((2, rows, channels), dtype=dtype)
     close(ext.channel_stats(t3, 2, True, 0.0), t3.double().square().sum((0, 1)), STAT_RTOL)
+    view = randn((rows, channels + 6), dtype=dtype)[:, 3 : 3 + channels]
+    close(ext.channel_stats(view, 1, True, 0.0), view.double().square().sum(0), STAT_RTOL)
+    close(ext.channel_stats(view, 1, False, 0.0), view.double().sum(0), STAT_RTOL)
 
 
 def test_channel_stats_direct_op_and_divisor(ext):
@@ -481,6 +488,30 @@ def test_factor_update_is_bitwise_for_linear_layers(ext, impl):
     rep_t, rep_k, torch_caps = run_both(impl, caps)
     for c, t in zip(caps, torch_caps):
         assert torch.equal(c.H, t.H) and torch.equal(c.S, t.S), c.name
+
+
+def test_factor_update_of_vectors_over_several_blocks_is_bitwise(ext, impl):
+    """Vectors longer than one block's share (an LM head's S: 50257 entries) are folded by
+    several blocks, each finding the whole vectors' min and max first: the same bits as
+    the torch path across the blocks' boundaries, first and later captures, and a NaN
+    far along S (in another block's share) still keeps the layer's factors."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    modules = {"long_S": nn.Linear(3, 10001).to(DEV), "long_H": nn.Linear(9000, 2).to(DEV)}
+    caps = [LayerCapture(name, m, rule_for(m), lambda: True) for name, m in modules.items()]
+    for capture in range(3):
+        for c, m in zip(caps, modules.values()):
+            h = torch.rand(m.in_features, generator=gen).add_(0.1)
+            s = torch.rand(m.out_features, generator=gen).add_(0.1)
+            c.pending = PendingStats(h.to(DEV), 3.0 + capture, s.to(DEV), 5.0, calls=1)
+        before = None if caps[0].H is None else (caps[0].H.clone(), caps[0].S.clone())
+        if capture == 2:
+            caps[0].pending.s[9000] = float("nan")
+        rep_t, rep_k, torch_caps = run_both(impl, caps)
+        assert list(rep_k.non_finite) == list(rep_t.non_finite) == (["long_S"] if capture == 2 else [])
+        for c, t in zip(caps, torch_caps):
+            assert torch.equal(c.H, t.H) and torch.equal(c.S, t.S), c.name
+        if capture == 2:
+            assert torch.equal(caps[0].H, before[0]) and torch.equal(caps[0].S, before[1])
 
 
 # --------------------------------------------------------------------------- one call per layer
