@@ -39,7 +39,7 @@ import pstats
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -69,17 +69,26 @@ def event_times(trainer: Trainer, capture: bool, steps: int, device: torch.devic
         sync(device)
     out: dict[str, tuple[int, float]] = {}
     for evt in prof.key_averages():
-        if on_gpu:
-            if str(evt.device_type).rsplit(".", 1)[-1] != "CUDA":
-                continue  # a host op (its kernels are listed on their own)
-            us = getattr(evt, "self_device_time_total", None)
-            us = evt.self_cuda_time_total if us is None else us
-        else:
-            us = evt.self_cpu_time_total
+        us = counted_us(evt, on_gpu)
         if us > 0:
             calls, total = out.get(evt.key, (0, 0.0))
             out[evt.key] = (calls + evt.count, total + us)
     return out
+
+
+def counted_us(evt: Any, on_gpu: bool) -> float:
+    """The microseconds ``event_times`` counts for one averaged profiler event: on a GPU a
+    kernel's (or copy's) own device time, nothing for host ops (their kernels are listed on
+    their own) and nothing for regions the host marked (``Optimizer.step#AdaFisherW.step``:
+    on the device such a region spans kernels listed on their own and the gaps between
+    them, so it counted the step kernel twice and the host's gaps as device time); on a CPU
+    each op's own host time."""
+    if not on_gpu:
+        return float(evt.self_cpu_time_total)
+    if str(evt.device_type).rsplit(".", 1)[-1] != "CUDA" or getattr(evt, "is_user_annotation", False):
+        return 0.0
+    us = getattr(evt, "self_device_time_total", None)
+    return float(evt.self_cuda_time_total if us is None else us)
 
 
 def accumulate(into: dict[str, list[float]], times: dict[str, tuple[int, float]], steps: int) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_capture.py"
 
@@ -46,6 +48,23 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     for section in (forward, step):
         assert len(section.strip().splitlines()) >= 3  # the heading, then function rows
     assert "lightning_cafin" in step  # the factor update is the package's own host work
+
+
+def test_device_totals_count_kernels_once_and_not_the_regions_the_host_marked():
+    """On a GPU the profiler also lists the host's marked regions (``Optimizer.step#...``) as
+    device events spanning their kernels and the gaps between them: counted, they added the
+    step kernel twice and the host's gaps to a step's device time."""
+    counted_us = load().counted_us
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(device_type, us, annotation=False):
+        return SimpleNamespace(device_type=device_type, self_device_time_total=us, self_cuda_time_total=us,
+                               self_cpu_time_total=us, is_user_annotation=annotation)
+
+    assert counted_us(event(cuda, 790.0), on_gpu=True) == 790.0  # a kernel
+    assert counted_us(event(cuda, 1127.0, annotation=True), on_gpu=True) == 0.0  # the step's marked region
+    assert counted_us(event(cpu, 55.0), on_gpu=True) == 0.0  # a host op: its kernels are listed on their own
+    assert counted_us(event(cpu, 55.0), on_gpu=False) == 55.0  # on a CPU, each op's own host time
 
 
 @pytest.mark.parametrize("argv, message", [
