@@ -16,7 +16,7 @@ call in the forward instead of a Python tensor hook (one computing only the grad
 sums where the input's were read in the forward, below): the backward then runs no
 Python for it, and ``LayerCapture.pending`` takes the tap's results.  A forward that
 repeats the layer's last tap runs no Python either: once a tap could be repeated, the
-module's hook dict holds the extension's ``ForwardTapHook`` in the Python hook's place,
+module's hook is the extension's ``ForwardTapHook`` in the Python hook's place,
 which makes the same checks and the same tap in C++ and calls the Python hook for any
 other forward (:func:`_repeat_next_time`, ``tap_gate.py``).  With a
 frozen weight autograd need not keep the input, a layer computing on a cast copy
@@ -40,9 +40,22 @@ Between capture steps the hooks are *disarmed*: taken out of the module's hook d
 that ``nn.Module.__call__`` takes its no-hook fast path (a forward hook costs several
 microseconds per call even when it only checks the schedule: 41 calls add a few percent to
 a ResNet-18 step whose host work is the bottleneck).  The owner's schedule arms them again
-for any step that may capture (``set_armed``); they return to the same place, first.
-Once ``torch.compile`` starts compiling anything in the process, every hook is armed and
-stays armed: dynamo does not guard on module hooks, so a graph traced while a hook was out
+for any step that may capture (``set_armed``).  Armed, a hook is the module's *forward
+override* where that is safe: ``module.forward``, set on the instance, runs the class's
+forward and then the hook, so torch still takes its no-hook path (its general path cost
+~5.6 of the ~18 microseconds an armed, tapped layer added to a capture step's forward on a
+CPU: a ResNet-18 forward's capture overhead went from ~750 to ~540 us).  The override is a
+``functools.partial`` of the module, which ``copy.deepcopy`` and pickling rebind to the
+copy (a copy has no slot and only runs its forward), and keeps the forward's signature
+(``__wrapped__``).  Elsewhere the hook goes back first in the module's hook dict: a module
+with a ``gradient_tap`` (its pre-hook is in a dict anyway), one whose instance already has
+a ``forward`` (a library's wrapper: it is left as it is), and everything once anything
+compiled.  A shallow ``copy.copy`` of an armed module shares the override, bound to the
+original: it computes with the original's attributes (its parameters are shared anyway)
+and feeds the original's statistics; a module is not shallow-copied between a capture step's
+forward and its optimizer step in any code we know of.
+Once ``torch.compile`` starts compiling anything in the process, every hook is in its dict
+and stays there: dynamo does not guard on module hooks, so a graph traced while a hook was out
 would never call it; and any C++ forward hook gives way to its Python hook for good
 (dynamo cannot inspect it, and the Python hook is never traced, below).  The compile-start
 watcher is registered again at every optimizer step (``torch._dynamo.reset()`` drops it);
@@ -64,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
+from functools import partial
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -375,17 +389,21 @@ class _Slot:
 
     ``tap``: the pre-hook on the submodule receiving the affine output, for modules with a
     ``gradient_tap``; ``tapped``: the tap it registered in the current forward; ``armed``:
-    whether the hooks are in their dicts (see the module docstring).
+    whether the hook is called at the module's forwards, ``overriding``: armed as a forward
+    override rather than in the hook dicts (see the module docstring).
     """
 
-    __slots__ = ("forward", "owner", "tap", "tapped", "armed", "registered", "cpp_hook", "python_hook", "__weakref__")
+    __slots__ = ("forward", "owner", "module", "tap", "tapped", "armed", "overriding", "registered", "cpp_hook",
+                 "python_hook", "__weakref__")
 
-    def __init__(self, owner: LayerCapture):
+    def __init__(self, owner: LayerCapture, module: nn.Module):
         self.forward: Optional[_Registered] = None
         self.tap: Optional[_Registered] = None
         self.tapped: Optional[_GradTap] = None
         self.armed = True
+        self.overriding = False
         self.owner: "weakref.ref[LayerCapture]" = weakref.ref(owner)
+        self.module: "weakref.ref[nn.Module]" = weakref.ref(module)
         #: the hooks this slot registered (``forward``, then ``tap``), once both are set
         self.registered: tuple[_Registered, ...] = ()
         #: the extension's ``ForwardTapHook`` in the forward hook's place, once a tap was
@@ -406,7 +424,7 @@ class _Slot:
             self.python_hook = forward.hook
             self.cpp_hook = cls(forward.hook, module, SettingsEpoch, saved_tensors.top_reader())
             forward.hook = self.cpp_hook
-            if self.armed:
+            if self.armed and not self.overriding:
                 forward.put(True)  # (the same key: its place first in the dict is kept)
         return self.cpp_hook
 
@@ -420,7 +438,7 @@ class _Slot:
         hook, self.cpp_hook = self.cpp_hook, None
         if hook is not None and self.forward is not None and self.python_hook is not None:
             self.forward.hook, self.python_hook = self.python_hook, None
-            if self.armed:
+            if self.armed and not self.overriding:
                 self.forward.put(True)
 
     def set_armed(self, armed: bool) -> None:
@@ -429,8 +447,63 @@ class _Slot:
         if armed != self.armed:
             self.armed = armed
             self.tapped = None
+            if not armed:
+                self._take_out()
+            elif not self._override():
+                for r in self.registered:
+                    r.put(True)
+
+    def in_dicts(self) -> None:
+        """Armed in the hook dicts, not as a forward override (a compile started)."""
+        if self.overriding:
+            self._take_out()
             for r in self.registered:
-                r.put(armed)
+                r.put(True)
+
+    def _override(self) -> bool:
+        """Arm as the module's forward override where that is safe (see the module
+        docstring): not for a module with a ``gradient_tap`` (its pre-hook is in a dict
+        anyway), nor one whose instance has a ``forward`` of its own, nor once anything
+        compiled.  Returns whether it did."""
+        module = self.module()
+        if module is None or self.tap is not None or self.forward is None or _Compiling.seen:
+            return False
+        own = module.__dict__
+        if "forward" in own and not _is_override(own["forward"], module):
+            return False
+        override = partial(_capturing_forward, module)
+        override.__wrapped__ = type(module).forward.__get__(module)  # type: ignore[attr-defined]
+        own["forward"] = override
+        self.overriding = True
+        return True
+
+    def _take_out(self) -> None:
+        """Neither in the hook dicts nor overriding the forward."""
+        for r in self.registered:
+            r.put(False)
+        if self.overriding:
+            self.overriding = False
+            module = self.module()
+            if module is not None and _is_override(module.__dict__.get("forward"), module):
+                del module.__dict__["forward"]
+
+
+def _capturing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module whose capture hook is armed as an override: the class's
+    forward, then the hook, as first of the module's forward hooks (``_Slot._override``).
+    Bound to its module by a ``functools.partial``, which ``copy.deepcopy`` and pickling
+    rebind to the copy; a copy has no slot, so it only runs its forward."""
+    output = type(module).forward(module, *args, **kwargs)
+    slot = _SLOTS.get(module)
+    if slot is not None and slot.overriding and slot.forward is not None:
+        slot.forward.hook(module, args, kwargs, output)
+    return output
+
+
+def _is_override(forward: object, module: nn.Module) -> bool:
+    """Whether ``forward`` (from ``module.__dict__``) is this package's override for ``module``."""
+    return (isinstance(forward, partial) and forward.func is _capturing_forward and len(forward.args) == 1
+            and forward.args[0] is module)
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
@@ -457,6 +530,7 @@ def keep_hooks_in_place(on: bool = True) -> bool:
         for slot in list(_SLOTS.values()):
             slot.python_only()
             slot.set_armed(True)
+            slot.in_dicts()
     return previous
 
 
@@ -702,7 +776,7 @@ def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
     module = capture.module
     slot = _SLOTS.get(module)
     if slot is None:
-        slot = _Slot(capture)
+        slot = _Slot(capture, module)
         hook = _hook_for(slot)
         handle = module.register_forward_hook(hook, with_kwargs=True, prepend=True)
         slot.forward = _Registered(handle, hook, module._forward_hooks, module._forward_hooks_with_kwargs)
@@ -714,6 +788,8 @@ def attach(capture: LayerCapture, armed: bool = True) -> Optional[LayerCapture]:
         slot.registered = tuple(r for r in (slot.forward, slot.tap) if r is not None)
         _SLOTS[module] = slot
         capture.hook_slot = slot
+        slot.armed = False  # (registered in the dicts: armed again below, the way set_armed arms)
+        slot._take_out()
         slot.set_armed(armed)
         return None
     previous = slot.owner()
@@ -740,6 +816,7 @@ def detach(capture: LayerCapture) -> None:
     """Remove the module's hook if ``capture`` still owns it."""
     slot = _SLOTS.get(capture.module)
     if slot is not None and slot.owner() is capture:
+        slot._take_out()  # (no override left behind)
         for r in slot.registered:
             r.remove()
         del _SLOTS[capture.module]
@@ -748,14 +825,22 @@ def detach(capture: LayerCapture) -> None:
 
 
 def hook_count(module: nn.Module) -> int:
-    """How many capture hooks this package holds on ``module`` (0 or 1), armed or not; for
-    tests and health."""
+    """How many capture hooks this package holds on ``module`` (0 or 1), armed or not (in its
+    hook dict or as its forward override); for tests and health."""
     armed = sum(1 for hook in module._forward_hooks.values() if getattr(hook, "_lightning_cafin_capture", False))
     slot = _SLOTS.get(module)
-    return armed + (1 if slot is not None and not slot.armed else 0)
+    return armed + (1 if slot is not None and (not slot.armed or slot.overriding) else 0)
+
+
+def forward_hook(module: nn.Module) -> Optional[Callable[..., Any]]:
+    """What ``module``'s capture calls at its forwards, armed or not: the extension's
+    ``ForwardTapHook`` once a tap was repeatable, else the Python hook; None when it has none."""
+    slot = _SLOTS.get(module)
+    return None if slot is None or slot.forward is None else slot.forward.hook
 
 
 def is_armed(module: nn.Module) -> bool:
-    """Whether ``module``'s capture hook is in its hook dict (False when it has none)."""
+    """Whether ``module``'s capture hook is called at its forwards (in its hook dict or as its
+    forward override; False when it has none)."""
     slot = _SLOTS.get(module)
     return slot is not None and slot.armed

@@ -1,12 +1,16 @@
-"""Capture hooks are in their modules' hook dicts only for steps that may capture.
+"""Capture hooks are called at their modules' forwards only for steps that may capture.
 
 Between capture steps ``nn.Module.__call__`` must take its no-hook path (the hook's cost
-was measured on the host-bound step); at a capture step the hooks must be back, first in
-their dicts; once dynamo compiles anything they must stay in place for good.
+was measured on the host-bound step); at a capture step the hooks are back, as the module's
+forward override where that is safe (torch's no-hook path still) and first in the hook dicts
+elsewhere; once dynamo compiles anything they must stay in the dicts for good.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+import io
 
 import pytest
 import torch
@@ -52,9 +56,10 @@ def test_hooks_are_out_between_capture_steps_and_back_for_each(no_compile_seen):
     x = torch.randn(4, 5)
     seen = []
     for _ in range(7):
-        seen.append((is_armed(model[0]), len(model[0]._forward_hooks)))
+        seen.append((is_armed(model[0]), len(model[0]._forward_hooks), "forward" in vars(model[0])))
         _step(model, opt, x)
-    assert seen == [(True, 1), (False, 0), (False, 0), (True, 1), (False, 0), (False, 0), (True, 1)]
+    armed, out = (True, 0, True), (False, 0, False)  # armed: the forward overridden, no hook in the dict
+    assert seen == [armed, out, out, armed, out, out, armed]
     assert all(hook_count(m) == 1 for m in model)  # held, armed or not: never stacked
 
 
@@ -157,3 +162,74 @@ def test_only_the_current_owner_arms_the_hooks(no_compile_seen):
     assert not is_armed(model[0])
     second.schedule.force_next()
     assert is_armed(model[0]) and all(hook_count(m) == 1 for m in model)
+
+
+def test_an_armed_hook_keeps_the_forward_signature_and_leaves_no_trace_when_out(no_compile_seen):
+    """Armed as an override, the forward still shows the class's signature (code inspecting
+    ``module.forward`` sees what it did), and disarming leaves the instance as it was."""
+    model = _net()
+    opt = AdaFisher(model, TCov=2, backend="foreach")
+    assert "forward" in vars(model[0]) and is_armed(model[0])
+    assert inspect.signature(model[0].forward) == inspect.signature(nn.Linear(2, 2).forward)
+    _step(model, opt, torch.randn(4, 5))
+    assert not is_armed(model[0]) and "forward" not in vars(model[0]) and hook_count(model[0]) == 1
+    opt.unbind()
+    assert all(hook_count(m) == 0 and "forward" not in vars(m) for m in model)
+
+
+def test_a_deep_copy_made_while_armed_computes_with_its_own_weights(no_compile_seen):
+    """The override is bound to its module through a ``functools.partial``, which
+    ``copy.deepcopy`` rebinds to the copy: a copy made on a capture step (an EMA, a teacher)
+    computes with its own weights and adds no statistics to the original's layers."""
+    model = _net()
+    opt = AdaFisher(model, TCov=1, backend="foreach")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.add_(1.0)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(twin[0](x), nn.functional.linear(x, twin[0].weight, twin[0].bias), rtol=0, atol=0)
+    assert not torch.allclose(twin[0](x), model[0](x))
+    twin(x).square().sum().backward()
+    assert all(c.pending.calls == 0 for c in opt.binding.captures.values())
+
+
+def test_a_model_pickled_while_armed_loads_and_runs(no_compile_seen):
+    """``torch.save(model)`` on a capture step (a whole-model checkpoint) pickles the override
+    with its module; the loaded model computes as the original and carries no hook."""
+    model = _net()
+    AdaFisher(model, TCov=1, backend="foreach")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert all(hook_count(m) == 0 for m in loaded)
+
+
+def test_a_forward_set_on_the_instance_is_kept_and_the_hook_goes_in_the_dict(no_compile_seen):
+    """A module whose instance has a forward of its own (a library's wrapper, as accelerate
+    sets) is not overridden: the hook is armed first in its dict and that forward runs."""
+    model = _net()
+    inner = model[0].forward
+    calls = []
+
+    def wrapped(x):
+        calls.append(1)
+        return inner(x)
+
+    model[0].forward = wrapped
+    opt = AdaFisher(model, TCov=2, backend="foreach")
+    assert is_armed(model[0]) and vars(model[0])["forward"] is wrapped and len(model[0]._forward_hooks) == 1
+    _step(model, opt, torch.randn(4, 5))
+    assert calls == [1] and opt.factors()["0"].S is not None
+    assert not is_armed(model[0]) and vars(model[0])["forward"] is wrapped and len(model[0]._forward_hooks) == 0
+
+
+def test_a_compile_starting_moves_an_override_into_the_dict(no_compile_seen):
+    model = _net()
+    AdaFisher(model, TCov=2, backend="foreach")
+    assert "forward" in vars(model[0])
+    hooks.keep_hooks_in_place(True)  # what a compile starting does
+    assert "forward" not in vars(model[0]) and len(model[0]._forward_hooks) == 1 and is_armed(model[0])
+    assert hook_count(model[0]) == 1

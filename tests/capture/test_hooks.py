@@ -138,7 +138,7 @@ def test_a_deep_copy_of_a_bound_model_adds_nothing_to_the_original_layers():
     model(torch.randn(5, 6)).mean().backward()
     opt.step()
     twin = copy.deepcopy(model)
-    assert any(len(m._forward_hooks) for m in twin.modules())  # the copy carries the hook
+    assert any(len(m._forward_hooks) or "forward" in vars(m) for m in twin.modules())  # the copy carries the hook
     opt.zero_grad()
     twin(torch.randn(5, 6)).mean().backward()  # a training forward with grad, on a capture step
     assert all(c.pending.calls == 0 for c in opt.binding.captures.values())
