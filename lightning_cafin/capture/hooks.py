@@ -46,9 +46,9 @@ forward and then the hook, so torch still takes its no-hook path (on a CPU its g
 path was ~2-4 of the ~11-18 microseconds an armed, tapped layer added to a capture step's
 forward: a ResNet-18 forward's capture overhead went from ~725 to ~575 us, 40 Linear
 layers' from 11.0 to 9.0 us a layer; most of the rest is the tap on the output).  The override is a
-``functools.partial`` of the module, which ``copy.deepcopy`` and pickling rebind to the
-copy (a copy has no slot and only runs its forward), and keeps the forward's signature
-(``__wrapped__``).  Elsewhere the hook goes back first in the module's hook dict: a module
+``functools.partial`` of the module (``_Override``), which ``copy.deepcopy`` and pickling
+rebind to the copy (a copy has no slot and only runs its forward), and keeps the forward's
+signature (``__wrapped__``).  Elsewhere the hook goes back first in the module's hook dict: a module
 with a ``gradient_tap`` (its pre-hook is in a dict anyway), one whose instance already has
 a ``forward`` (a library's wrapper: it is left as it is), and everything once anything
 compiled.  A shallow ``copy.copy`` of an armed module shares the override, bound to the
@@ -472,21 +472,34 @@ class _Slot:
         own = module.__dict__
         if "forward" in own and not _is_override(own["forward"], module):
             return False
-        override = partial(_capturing_forward, module)
-        override.__wrapped__ = type(module).forward.__get__(module)  # type: ignore[attr-defined]
-        own["forward"] = override
+        own["forward"] = _Override(_capturing_forward, module)
         self.overriding = True
         return True
 
     def _take_out(self) -> None:
         """Neither in the hook dicts nor overriding the forward."""
-        for r in self.registered:
-            r.put(False)
-        if self.overriding:
-            self.overriding = False
-            module = self.module()
-            if module is not None and _is_override(module.__dict__.get("forward"), module):
-                del module.__dict__["forward"]
+        if not self.overriding:
+            for r in self.registered:
+                r.put(False)
+            return
+        self.overriding = False  # (nothing of ours in the dicts meanwhile)
+        module = self.module()
+        if module is not None and _is_override(module.__dict__.get("forward"), module):
+            del module.__dict__["forward"]
+
+
+class _Override(partial):
+    """A module's forward override (``_capturing_forward`` bound to the module): a
+    ``functools.partial``, which ``copy.deepcopy`` and pickling rebind to the copy, whose
+    ``__wrapped__`` (followed by ``inspect.signature``) is the class's forward of its module,
+    looked up when asked, not made at every arming."""
+
+    __slots__ = ()
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        module = self.args[0]
+        return type(module).forward.__get__(module)
 
 
 def _capturing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -503,8 +516,7 @@ def _capturing_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _is_override(forward: object, module: nn.Module) -> bool:
     """Whether ``forward`` (from ``module.__dict__``) is this package's override for ``module``."""
-    return (isinstance(forward, partial) and forward.func is _capturing_forward and len(forward.args) == 1
-            and forward.args[0] is module)
+    return type(forward) is _Override and forward.args[0] is module
 
 
 _SLOTS: "weakref.WeakKeyDictionary[nn.Module, _Slot]" = weakref.WeakKeyDictionary()
