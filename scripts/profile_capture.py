@@ -17,6 +17,12 @@ forced with ``capture_next_step``), it
 * times a forward's host cost per captured layer (``--reps`` interleaved rounds, medians):
   a normal step's, a capture step's with every call declined inside ``no_capture()``
   (what the armed hooks cost by themselves), with Python hooks and with the C++ taps;
+* says, at the end of each phase (forward with the loss, backward, optimizer step) of a
+  synchronised normal and capture step, how far the host and the device have got
+  (host clock; the device's arrival at the host's mark by a CUDA event recorded there):
+  where the device arrives just after the host it was waiting for the host, so the host's
+  extra work up to that mark is on the step's critical path; where it arrives well after,
+  the host ran ahead (``--reps`` interleaved rounds, medians);
 * profiles the host (``cProfile``) in a capture step's forward (with the loss) and in its
   ``optimizer.step()``, each from a synchronised device, and prints the functions that
   take the most of it (the bench's ``host`` says how much each phase adds per layer).
@@ -38,6 +44,7 @@ import io
 import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -163,6 +170,60 @@ def host_forward_per_layer(trainer: Trainer, layers: int, reps: int) -> list[str
     return lines
 
 
+#: the marks ``phase_ends`` times, in a step's order
+PHASES = ("forward", "backward", "step")
+
+
+def phase_ends(trainer: Trainer, capture: bool, device: torch.device) -> tuple[list[float], Optional[list[float]]]:
+    """One synchronised train step: milliseconds from its start to the end of each of
+    ``PHASES`` on the host, and when the device reached the same marks (CUDA events
+    recorded there; None on a CPU, where the host does the work itself)."""
+    # made before the step: only their records fall inside it
+    marks: list[Any] = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else []
+
+    def mark(i: int) -> None:
+        if marks:
+            marks[i].record()
+
+    sync(device)
+    if capture:
+        trainer.opt.capture_next_step()
+    mark(0)
+    t0 = time.perf_counter()
+    trainer.opt.zero_grad()
+    loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, device)
+    mark(1)
+    t1 = time.perf_counter()
+    loss.backward()
+    mark(2)
+    t2 = time.perf_counter()
+    trainer.opt.step()
+    mark(3)
+    t3 = time.perf_counter()
+    sync(device)
+    host = [(t - t0) * 1e3 for t in (t1, t2, t3)]
+    return host, ([marks[0].elapsed_time(e) for e in marks[1:]] if marks else None)
+
+
+def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list[str]:
+    """``phase_ends`` of normal and capture steps, interleaved, ``reps`` rounds: medians."""
+    runs: dict[str, list[tuple[list[float], Optional[list[float]]]]] = {"normal": [], "capture": []}
+    for _ in range(reps):
+        for kind in runs:
+            runs[kind].append(phase_ends(trainer, kind == "capture", device))
+    lines = ["", f"phase ends, ms from a synchronised step's start, host / device (the device's arrival at the host's "
+                 f"mark), median of {reps} interleaved rounds:",
+             "  " + " " * 8 + "".join(f"{p:>18s}" for p in PHASES)]
+    for kind, got in runs.items():
+        host = [statistics.median(h[i] for h, _ in got) for i in range(len(PHASES))]
+        dev = [statistics.median(d[i] for _, d in got if d is not None) for i in range(len(PHASES))] \
+            if got[0][1] is not None else None
+        cells = [f"{h:8.2f} / {d:7.2f}" if dev is not None else f"{h:8.2f} /       -"
+                 for h, d in zip(host, dev if dev is not None else host)]
+        lines.append(f"  {kind:8s}" + "".join(f"{c:>18s}" for c in cells))
+    return lines
+
+
 def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
     """The functions taking the most host time in ``steps`` capture steps' forwards and
     optimizer steps (each phase profiled from a synchronised device, the other not)."""
@@ -219,6 +280,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
         accumulate(capture, event_times(trainer, True, steps, device), steps)
     lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
     lines += host_forward_per_layer(trainer, layers, reps)
+    lines += phase_ends_report(trainer, device, reps)
     lines += host_profile(trainer, steps, min(top, 15))
     del trainer
     gc.collect()

@@ -41,6 +41,11 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     per_layer = re.findall(r"^  (.+?) +(\d+\.\d) us  \(([+-]\d+\.\d) above a normal step\)$", text, re.MULTILINE)
     assert [label for label, _, _ in per_layer] == [label for label, _, _ in script.FORWARDS]
     assert per_layer[0][2] in ("+0.0", "-0.0") and all(float(us) > 0 for _, us, _ in per_layer)
+    # then, per kind of step, how far the host had got at the end of each phase (no device here: host only)
+    ends = re.findall(r"^  (normal|capture) +(\d+\.\d\d) / +- +(\d+\.\d\d) / +- +(\d+\.\d\d) / +-$", text, re.MULTILINE)
+    assert [kind for kind, *_ in ends] == ["normal", "capture"], text
+    for _, *marks in ends:
+        assert 0 < float(marks[0]) <= float(marks[1]) <= float(marks[2])  # forward, backward, step, in order
     # then the host profile of a capture step's forward (the capture hook among its functions) and step
     assert "host, a capture step's forward (with the loss)" in text and "host, a capture step's optimizer.step()" in text
     host = text.split("host, a capture step's forward", 1)[1]
