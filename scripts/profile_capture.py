@@ -44,7 +44,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -175,34 +174,14 @@ PHASES = ("forward", "backward", "step")
 
 
 def phase_ends(trainer: Trainer, capture: bool, device: torch.device) -> tuple[list[float], Optional[list[float]]]:
-    """One synchronised train step: milliseconds from its start to the end of each of
-    ``PHASES`` on the host, and when the device reached the same marks (CUDA events
-    recorded there; None on a CPU, where the host does the work itself)."""
+    """One synchronised train step (the bench's ``host_phases``): milliseconds from its start
+    to the end of each of ``PHASES`` on the host, and when the device reached the same marks
+    (CUDA events recorded there; None on a CPU, where the host does the work itself)."""
     # made before the step: only their records fall inside it
-    marks: list[Any] = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else []
-
-    def mark(i: int) -> None:
-        if marks:
-            marks[i].record()
-
-    sync(device)
-    if capture:
-        trainer.opt.capture_next_step()
-    mark(0)
-    t0 = time.perf_counter()
-    trainer.opt.zero_grad()
-    loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, device)
-    mark(1)
-    t1 = time.perf_counter()
-    loss.backward()
-    mark(2)
-    t2 = time.perf_counter()
-    trainer.opt.step()
-    mark(3)
-    t3 = time.perf_counter()
-    sync(device)
-    host = [(t - t0) * 1e3 for t in (t1, t2, t3)]
-    return host, ([marks[0].elapsed_time(e) for e in marks[1:]] if marks else None)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else []
+    phases = trainer.host_phases(capture, mark=(lambda i: events[i].record()) if events else None)
+    host = [sum(phases[: i + 1]) for i in range(len(PHASES))]
+    return host, ([events[0].elapsed_time(e) for e in events[1:]] if events else None)
 
 
 def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list[str]:
@@ -215,11 +194,11 @@ def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list
                  f"mark), median of {reps} interleaved rounds:",
              "  " + " " * 8 + "".join(f"{p:>18s}" for p in PHASES)]
     for kind, got in runs.items():
-        host = [statistics.median(h[i] for h, _ in got) for i in range(len(PHASES))]
-        dev = [statistics.median(d[i] for _, d in got if d is not None) for i in range(len(PHASES))] \
-            if got[0][1] is not None else None
-        cells = [f"{h:8.2f} / {d:7.2f}" if dev is not None else f"{h:8.2f} /       -"
-                 for h, d in zip(host, dev if dev is not None else host)]
+        cells = []
+        for i in range(len(PHASES)):
+            host = statistics.median(h[i] for h, _ in got)
+            dev = "      -" if got[0][1] is None else f"{statistics.median(d[i] for _, d in got if d is not None):7.2f}"
+            cells.append(f"{host:8.2f} / {dev}")
         lines.append(f"  {kind:8s}" + "".join(f"{c:>18s}" for c in cells))
     return lines
 

@@ -84,21 +84,28 @@ class Trainer:
         self.opt.capture_next_step()  # AdaFisher's public request: the next step captures
         self.step()
 
-    def host_phases(self, capture: bool) -> tuple[float, float, float]:
+    def host_phases(self, capture: bool, mark: Optional[Callable[[int], None]] = None) -> tuple[float, float, float]:
         """One train step's host milliseconds in the forward (with the loss), the backward and
         the optimizer step, from a synchronised device and with no synchronisation between
-        the phases: what the host spends, hooks included, whatever the device does."""
+        the phases: what the host spends, hooks included, whatever the device does.
+        ``mark(i)``, where given, is called just before the host's i-th timestamp (0: the
+        start, then the end of each phase), e.g. to record a CUDA event there."""
+        def stamp(i: int) -> float:
+            if mark is not None:
+                mark(i)
+            return time.perf_counter()
+
         sync(self.device)
         if capture:
             self.opt.capture_next_step()
-        t0 = time.perf_counter()
+        t0 = stamp(0)
         self.opt.zero_grad()
         loss = self.wl.loss(self.model, self.x, self.y, self.device)
-        t1 = time.perf_counter()
+        t1 = stamp(1)
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = stamp(2)
         self.opt.step()
-        t3 = time.perf_counter()
+        t3 = stamp(3)
         sync(self.device)
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
