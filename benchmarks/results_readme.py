@@ -102,7 +102,27 @@ def _goal_limit(goal: dict) -> str:
 
 
 def _met(goal: dict) -> str:
-    return "-" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
+    """The verdict: by the value's 90% interval where the run measured one (``verdict``),
+    else by the value; "within noise" where the interval spans the goal."""
+    decided = goal.get("verdict")
+    if decided is None:
+        return "-" if goal["met"] is None else ("yes" if goal["met"] else "**no**")
+    return {"met": "yes", "not met": "**no**"}.get(decided, "within noise")
+
+
+def _goal_interval(goal: dict) -> str:
+    interval = goal.get("interval")
+    if interval is None:
+        return "-"
+    low, high = (_goal_value({**goal, "value": v}) for v in interval)
+    return f"{low} to {high}"
+
+
+#: under a matrix table whose run measured intervals: how its verdicts are read
+INTERVAL_NOTE = ("Interval: the 90% interval of the value (for a median, its order statistics; for the pipelined "
+                 "ratio of total times, a bootstrap over the paired blocks). Met: yes where the interval lies at or "
+                 "under the goal, **no** where it lies wholly above it, within noise where it spans the goal: the "
+                 "host's spread leaves that goal undecided by this run.")
 
 
 def matrix_section(path: Path) -> Optional[str]:
@@ -117,11 +137,18 @@ def matrix_section(path: Path) -> Optional[str]:
              f"seeded model and batch, measured side by side: pipelined train steps in interleaved blocks of "
              f"{cfg['block']} ({cfg['blocks']} per variant, captures at their real frequency), step-synchronous "
              f"steps in {cfg['sync_reps']} rotated rounds (paired medians), the optimizer step alone, peak "
-             "allocated memory per step type and optimizer state.", "",
-             "| workload | figure | value | goal | met |", "|---|---|---|---|---|"]
+             "allocated memory per step type and optimizer state.", ""]
+    with_intervals = any("interval" in g for w in matrix["workloads"].values() for g in w["goals"])
+    if with_intervals:
+        lines += ["| workload | figure | value | interval | goal | met |", "|---|---|---|---|---|---|"]
+    else:  # a run from before intervals were measured
+        lines += ["| workload | figure | value | goal | met |", "|---|---|---|---|---|"]
     for name, w in matrix["workloads"].items():
         for goal in w["goals"]:
-            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} | {_goal_limit(goal)} | {_met(goal)} |")
+            interval = f" {_goal_interval(goal)} |" if with_intervals else ""
+            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} |{interval} {_goal_limit(goal)} | {_met(goal)} |")
+    if with_intervals:
+        lines += ["", INTERVAL_NOTE]
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]

@@ -2,13 +2,14 @@
 
 import json
 import math
+import random
 
 import pytest
 import torch
 
 from lightning_cafin import bench
-from lightning_cafin.bench.matrix import MatrixConfig, goals, goals_table
-from lightning_cafin.bench.timing import quantile, run_peak, spread
+from lightning_cafin.bench.matrix import MatrixConfig, goals, goals_table, verdict
+from lightning_cafin.bench.timing import median_interval, quantile, ratio_of_sums_interval, run_peak, spread
 from lightning_cafin.bench.workloads import workloads
 
 MATRIX = ("resnet18", "resnet18-bf16cl", "resnet50", "gpt")
@@ -19,7 +20,10 @@ def ratio_values(tree, path=""):
     if isinstance(tree, dict):
         for k, v in tree.items():
             here = f"{path}.{k}"
-            if "ratio" in k:
+            if k.endswith("_ci90"):  # an interval: two ratios, or None where too few blocks were timed
+                for i, bound in enumerate(v or ()):
+                    yield f"{here}[{i}]", bound
+            elif "ratio" in k:
                 if isinstance(v, dict):  # a spread of paired ratios
                     for stat in ("median", "p10", "p90"):
                         yield f"{here}.{stat}", v[stat]
@@ -128,7 +132,9 @@ def test_goals_are_judged_against_the_issue_limits():
 
 def test_spread_and_quantile():
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
-    assert spread([1.0, 2.0, 3.0, 4.0]) == {"median": 2.5, "p10": pytest.approx(1.3), "p90": pytest.approx(3.7), "n": 4}
+    assert spread([1.0, 2.0, 3.0, 4.0]) == {"median": 2.5, "p10": pytest.approx(1.3), "p90": pytest.approx(3.7), "n": 4,
+                                            "ci90": None}  # too few values for a 90% interval of the median
+    assert spread([5.0, 1.0, 4.0, 2.0, 3.0])["ci90"] == [1.0, 5.0]
     with pytest.raises(ValueError):
         quantile([], 0.5)
 
@@ -196,3 +202,67 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
         assert seen == [(True, False), (False, True)]  # the capture step had taps off; the setting came back
     finally:
         taps.set_enabled(before)
+
+
+def test_the_median_interval_is_the_order_statistics_of_the_binomial_tail():
+    """n = 30 at 90%: P(Binomial(30, 1/2) <= 10) = 0.049 <= 0.05 < P(<= 11), so the 11th and
+    20th smallest values; n = 10: the 2nd and 9th; under 5 values no interval exists."""
+    xs = [float(v) for v in range(30, 0, -1)]  # order does not matter
+    assert median_interval(xs) == (11.0, 20.0)
+    assert median_interval([float(v) for v in range(1, 11)]) == (2.0, 9.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None
+    assert median_interval([float(v) for v in range(1, 31)], confidence=0.5) == (13.0, 18.0)
+    with pytest.raises(ValueError, match="confidence"):
+        median_interval(xs, confidence=1.0)
+
+
+def test_the_median_interval_covers_the_median_as_often_as_it_says():
+    """Skewed samples (exponential, median ln 2) of 30: the interval holds the true median in
+    about 90% of 2000 draws (exactly 90.1% for continuous samples)."""
+    rng = random.Random(7)
+    hits = 0
+    for _ in range(2000):
+        low, high = median_interval([rng.expovariate(1.0) for _ in range(30)])
+        hits += low <= math.log(2.0) <= high
+    assert 0.87 <= hits / 2000 <= 0.93
+
+
+def test_the_ratio_of_sums_interval_resamples_the_pairs_together():
+    """Blocks timed side by side vary together: resampled as pairs, a constant ratio has a
+    zero-width interval, however much the blocks themselves vary; the same data, the same
+    interval; and the interval holds the ratio of the sums."""
+    den = [10.0, 30.0, 12.0, 25.0, 14.0, 40.0, 11.0, 9.0, 20.0, 16.0]
+    num = [1.05 * d for d in den]
+    low, high = ratio_of_sums_interval(num, den)
+    assert low == pytest.approx(1.05) and high == pytest.approx(1.05)
+    noisy = [d * (1.0 + 0.1 * ((i % 3) - 1)) for i, d in enumerate(den)]
+    got = ratio_of_sums_interval(noisy, den)
+    assert got == ratio_of_sums_interval(noisy, den) and got[0] < sum(noisy) / sum(den) < got[1]
+    assert ratio_of_sums_interval(num[:4], den[:4]) is None
+    with pytest.raises(ValueError, match="pair up"):
+        ratio_of_sums_interval(num, den[:-1])
+
+
+def test_a_verdict_says_undecided_where_the_interval_spans_the_goal():
+    assert verdict(1.01, 1.02, [0.99, 1.015]) == "met"
+    assert verdict(1.04, 1.02, [1.021, 1.06]) == "not met"
+    assert verdict(1.034, 1.03, [0.99, 1.07]) == "undecided"  # over the goal by its median, not by its interval
+    assert verdict(1.01, 1.02, [0.99, 1.05]) == "undecided"  # under it by its median, not by its interval
+    assert verdict(1.04, 1.02) == "not met" and verdict(1.0, 1.02) == "met"  # no interval: the value decides
+    assert verdict(1.5, None, [1.0, 2.0]) is None and verdict(float("nan"), 1.0) is None
+
+
+def test_goals_carry_the_intervals_and_the_table_prints_them():
+    wls = workloads(torch.device("cpu"), quick=True)
+    r = synthetic(sync=1.034, pipelined=1.1)
+    r["sync"]["normal_vs_adam_ratio"]["ci90"] = [0.99, 1.07]
+    r["pipelined"]["tcov10"]["ratio_ci90"] = [1.06, 1.2]
+    by_figure = {g["figure"]: g for g in goals(wls["resnet18"], r)}
+    normal = by_figure["sync normal step vs Adam"]
+    assert normal["met"] is False and normal["verdict"] == "undecided" and normal["interval"] == [0.99, 1.07]
+    tcov10 = by_figure["pipelined TCov=10 vs Adam"]
+    assert tcov10["interval"] == [1.06, 1.2] and tcov10["verdict"] == "not met"
+    memory = by_figure["capture-step peak memory vs normal"]  # one measurement: no interval, the value decides
+    assert memory["interval"] is None and memory["verdict"] == "met"
+    table = goals_table({"resnet18": {"goals": list(by_figure.values())}})
+    assert "1.034x [0.990x, 1.070x]" in table and "UNDECIDED" in table and "NOT MET" in table

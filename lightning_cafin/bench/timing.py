@@ -9,9 +9,11 @@ the CPU the peak of the tensors the call creates (``monitor.memory.TemporaryMemo
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -88,9 +90,61 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def spread(xs: Sequence[float]) -> dict[str, float]:
-    """Median, p10 and p90 of a sample."""
-    return {"median": statistics.median(xs), "p10": quantile(xs, 0.1), "p90": quantile(xs, 0.9), "n": len(xs)}
+#: the confidence of the intervals the bench reports beside its medians
+CONFIDENCE = 0.9
+
+
+def median_interval(xs: Sequence[float], confidence: float = CONFIDENCE) -> Optional[tuple[float, float]]:
+    """A distribution-free interval for the median of what ``xs`` samples: the order
+    statistics ``x(k)`` and ``x(n+1-k)`` with the largest ``k`` whose binomial tail
+    ``P(Binomial(n, 1/2) < k)`` is at most ``(1 - confidence) / 2`` (so the interval covers
+    the median with at least ``confidence``, whatever the distribution, for independent
+    samples).  ``None`` for a sample too small for any such interval (n < 5 at 90%).
+
+    Why: a host's step times spread by 10% and more (a shared machine), so a median 2% over
+    a goal may say nothing; the bench says a goal is missed only where this interval lies
+    wholly above it."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    n = len(xs)
+    tail = (1.0 - confidence) / 2.0
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1) as k grows
+    while k < n // 2:
+        below += math.comb(n, k) / 2.0**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    s = sorted(xs)
+    return s[k - 1], s[n - k]
+
+
+def ratio_of_sums_interval(num: Sequence[float], den: Sequence[float], confidence: float = CONFIDENCE,
+                           resamples: int = 4000, seed: int = 0) -> Optional[tuple[float, float]]:
+    """A percentile-bootstrap interval for ``sum(num) / sum(den)`` over paired samples
+    (blocks timed side by side): the pairs are resampled together, ``resamples`` times with
+    a fixed seed (the same data give the same interval).  ``None`` for fewer than 5 pairs."""
+    if len(num) != len(den):
+        raise ValueError(f"num and den must pair up, got {len(num)} and {len(den)} samples")
+    n = len(num)
+    if n < 5:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(num[i] for i in picks) / sum(den[i] for i in picks))
+    tail = (1.0 - confidence) / 2.0
+    return quantile(ratios, tail), quantile(ratios, 1.0 - tail)
+
+
+def spread(xs: Sequence[float]) -> dict[str, Any]:
+    """Median, p10 and p90 of a sample, its size, and ``ci90``: the median's 90% interval
+    (:func:`median_interval`, ``[low, high]``; ``None`` for fewer than 5 values)."""
+    ci = median_interval(xs)
+    return {"median": statistics.median(xs), "p10": quantile(xs, 0.1), "p90": quantile(xs, 0.9), "n": len(xs),
+            "ci90": None if ci is None else list(ci)}
 
 
 def spread_text(sp: dict[str, float]) -> str:

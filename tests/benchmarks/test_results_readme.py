@@ -96,6 +96,29 @@ def test_the_workload_matrix_is_rendered_with_its_verdicts(tmp_path):
     assert "blocks of 10 (4 per variant" in text and "in 7 rotated rounds" in text
 
 
+def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
+    """A run that measured intervals: each value's interval beside it, "within noise" where
+    it spans the goal, the verdict by the interval (a median over the goal whose interval
+    is not wholly above it is not a miss), and the note on how to read them."""
+    goals = [{"figure": "sync normal step vs Adam", "value": 1.034, "unit": "x", "limit": 1.03, "met": False,
+              "interval": [0.99, 1.07], "verdict": "undecided"},
+             {"figure": "pipelined TCov=10 vs Adam", "value": 1.13, "unit": "x", "limit": 1.05, "met": False,
+              "interval": [1.06, 1.2], "verdict": "not met"},
+             {"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True,
+              "interval": [0.5, 1.2], "verdict": "undecided"},
+             {"figure": "capture-step peak memory vs normal", "value": 1.0, "unit": "x", "limit": 1.05, "met": True,
+              "interval": None, "verdict": "met"}]
+    matrix = {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
+              "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert "| workload | figure | value | interval | goal | met |" in text
+    assert "| toy | sync normal step vs Adam | 1.034x | 0.990x to 1.070x | <= 1.03x | within noise |" in text
+    assert "| toy | pipelined TCov=10 vs Adam | 1.130x | 1.060x to 1.200x | <= 1.05x | **no** |" in text
+    assert "| toy | sync capture step above normal | +0.90 ms | +0.50 ms to +1.20 ms | <= 1 ms | within noise |" in text
+    assert "| toy | capture-step peak memory vs normal | 1.000x | - | <= 1.05x | yes |" in text
+    assert readme.INTERVAL_NOTE in text
+
+
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 
