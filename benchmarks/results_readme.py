@@ -125,6 +125,12 @@ INTERVAL_NOTE = ("Interval: the 90% interval of the value (for a median, its ord
                  "host's spread leaves that goal undecided by this run.")
 
 
+def _launch_text(name: str, w: dict) -> str:
+    launches, per_launch = w["launches"], w.get("host_us_per_added_launch")
+    host = "" if per_launch is None else f", {per_launch:.0f} us of host each"
+    return f"`{name}` +{launches['added']:.0f} (budget {launches['budget']}{host})"
+
+
 def matrix_section(path: Path) -> Optional[str]:
     """The workload matrix (what users run, against fused Adam(W)), or None for a bench file without one."""
     data = load_measured(path)
@@ -149,6 +155,12 @@ def matrix_section(path: Path) -> Optional[str]:
             lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} |{interval} {_goal_limit(goal)} | {_met(goal)} |")
     if with_intervals:
         lines += ["", INTERVAL_NOTE]
+    counted = {name: w for name, w in matrix["workloads"].items() if w.get("launches")}
+    if counted:
+        lines += ["", "Device operations (kernels, copies, fills) a capture step adds to a train step, beside the budget "
+                  "its layers allow (per layer one launch per statistic: a conv's input two and its output gradient's one, "
+                  "a linear layer's two, a norm's one; and 8 per step), and the capture step's extra host time per added "
+                  "one: " + "; ".join(_launch_text(name, w) for name, w in counted.items()) + "."]
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]

@@ -66,6 +66,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
         assert set(host["python_hooks_extra_us_per_layer"]) == {"forward", "backward", "step"}
+        assert "launches" in wl and (wl["launches"] is None) == (not torch.cuda.is_available())  # counted on a GPU
         for kind in ("normal", "capture", "capture_python_hooks"):  # host milliseconds per phase, every one measured
             assert all(host[kind][p]["median"] > 0 and host[kind][p]["n"] >= 1 for p in ("forward", "backward", "step"))
         assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
@@ -266,3 +267,23 @@ def test_goals_carry_the_intervals_and_the_table_prints_them():
     assert memory["interval"] is None and memory["verdict"] == "met"
     table = goals_table({"resnet18": {"goals": list(by_figure.values())}})
     assert "1.034x [0.990x, 1.070x]" in table and "UNDECIDED" in table and "NOT MET" in table
+
+
+def test_layer_kinds_and_no_launch_counts_without_a_gpu():
+    from torch import nn
+
+    from lightning_cafin.bench.launches import BUDGET, capture_launches, layer_kind
+    from lightning_cafin.bench.matrix import count_launches, host_us_per_added_launch
+
+    kinds = [layer_kind(m) for m in (nn.Conv2d(2, 2, 3), nn.Conv1d(2, 2, 1), nn.BatchNorm2d(2), nn.LayerNorm(4),
+                                     nn.GroupNorm(1, 2), nn.Linear(2, 2), nn.Embedding(3, 2))]
+    assert kinds == ["conv", "conv", "norm", "norm", "norm", "linear", "linear"] and set(BUDGET) == set(kinds)
+    cpu = torch.device("cpu")
+    wl = workloads(cpu, quick=True)["resnet18"]
+    assert count_launches(wl, cpu, wl.batch(cpu)) is None  # counted on a GPU only
+    if not torch.cuda.is_available():
+        assert capture_launches(None, lambda: None, lambda: None) is None
+    host = {kind: {p: {"median": m} for p, m in zip(("forward", "backward", "step"), ms)}
+            for kind, ms in (("normal", (1.0, 2.0, 0.5)), ("capture", (1.5, 3.0, 1.0)))}
+    assert host_us_per_added_launch({"host": host, "launches": {"added": 40.0}}) == pytest.approx(50.0)
+    assert host_us_per_added_launch({"host": host, "launches": None}) is None

@@ -43,7 +43,7 @@ from ..models import ResNet18, TransformerClassifier
 from ..provenance import provenance
 from .callback_overhead import CallbackConfig, callback_table, measure_callback
 from .compiled import COMPILED_WORKLOADS, CompiledConfig, compiled_table, run_compiled
-from .matrix import MatrixConfig, detail_table, goals_table, run_matrix
+from .matrix import MatrixConfig, add_launch_counts, detail_table, goals_table, run_matrix
 from .optimizer_step import Result, bench_flat, bench_model, plot, ratios, state_bytes, table, variants
 from .timing import extra_ms, median_ms
 from .workloads import NAMES as MATRIX_WORKLOADS
@@ -155,6 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             compiled = run_compiled(compiled_wls, workloads(device, quick), device,
                                     CompiledConfig.quick() if quick else CompiledConfig(),
                                     log=lambda line: print(line, flush=True))
+        add_launch_counts(matrix, workloads(device, quick), device)  # last: it profiles
     finally:
         torch.set_num_threads(threads)
 

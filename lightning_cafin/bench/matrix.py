@@ -28,6 +28,10 @@ For each workload (``workloads.py``), on the same model, batch and precision:
 * ``optimizer_step``: ``optimizer.step()`` alone (eager, a normal step), blocks of steps
   back to back, interleaved with Adam's.
 * ``state``: optimizer-state bytes (AdaFisher's ``memory_usage()``, Adam's two moments).
+* ``launches`` (on a GPU): the device operations of a normal and a capture step, and what
+  the capture step adds beside the budget its layers allow (``launches.py``), counted after
+  every timing of the run (``add_launch_counts``); ``host_us_per_added_launch`` divides
+  the capture step's extra host time by them.
 
 :func:`goals` sets each figure beside its goal (issue 16) and says whether it is met:
 by its value (``met``), and by its interval (``verdict``), which says "undecided" where the
@@ -52,6 +56,7 @@ from torch import nn
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
 from ..capture_options import CaptureOptions
+from .launches import capture_launches
 from .timing import elapsed_ms, ratio_of_sums_interval, run_peak, spread, spread_text, sync
 from .workloads import Workload
 
@@ -465,6 +470,12 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
             lines.append(f"  a capture adds per layer ({h['layers']}), us: " +
                          ", ".join(f"{h['capture_extra_us_per_layer'][p]:.0f}" for p in PHASES) + "; with Python hooks " +
                          ", ".join(f"{h['python_hooks_extra_us_per_layer'][p]:.0f}" for p in PHASES))
+        launches = r.get("launches")
+        if launches:
+            per_op = r.get("host_us_per_added_launch")
+            lines.append(f"  device operations per step: normal {launches['normal']:.0f}, capture {launches['capture']:.0f} "
+                         f"(+{launches['added']:.0f}; the layers' budget {launches['budget']}, {launches['layers']})"
+                         + ("" if per_op is None else f"; the capture step's extra host time per added one {per_op:.0f} us"))
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}; state MB: Adam {r['state']['adam_bytes'] / 2**20:.1f}, "
@@ -474,6 +485,31 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def count_launches(wl: Workload, device: torch.device, batch) -> Optional[dict[str, Any]]:
+    """``launches.capture_launches`` of AdaFisher on this workload (None on the CPU): the
+    device operations a capture step adds, beside the budget its layers allow."""
+    if device.type != "cuda":
+        return None
+    t = adafisher(wl, device, batch, NEVER)
+    t.steps(2)
+    for _ in range(3):  # its factors made, then its launch kept and taken: the steady state
+        t.capture_step()
+    counted = capture_launches(t.opt, t.step, t.capture_step)
+    del t
+    _free(device)
+    return counted
+
+
+def host_us_per_added_launch(r: dict[str, Any]) -> Optional[float]:
+    """The capture step's extra host time (all three phases' medians) per device operation it
+    adds: what each added launch costs this machine's host, where the launches were counted."""
+    launches, host = r.get("launches"), r.get("host")
+    if not launches or not host or launches["added"] <= 0:
+        return None
+    extra_ms = sum(host["capture"][p]["median"] - host["normal"][p]["median"] for p in PHASES)
+    return extra_ms * 1e3 / launches["added"]
+
+
 def run_matrix(names: list[str], all_workloads: dict[str, Workload], device: torch.device, cfg: MatrixConfig,
                ) -> dict[str, dict[str, Any]]:
     out = {}
@@ -481,3 +517,14 @@ def run_matrix(names: list[str], all_workloads: dict[str, Workload], device: tor
         print(f"== matrix: {all_workloads[name].description} on {device}", flush=True)
         out[name] = measure(all_workloads[name], device, cfg)
     return out
+
+
+def add_launch_counts(matrix: dict[str, dict[str, Any]], all_workloads: dict[str, Workload],
+                      device: torch.device) -> None:
+    """Each measured workload's ``launches`` and ``host_us_per_added_launch`` (None on the
+    CPU).  Called once every timing of the run is done: the profiler's hooks must not slow
+    a timed step."""
+    for name, r in matrix.items():
+        wl = all_workloads[name]
+        r["launches"] = count_launches(wl, device, wl.batch(device))
+        r["host_us_per_added_launch"] = host_us_per_added_launch(r)

@@ -117,6 +117,12 @@ def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
     assert "| toy | sync capture step above normal | +0.90 ms | +0.50 ms to +1.20 ms | <= 1 ms | within noise |" in text
     assert "| toy | capture-step peak memory vs normal | 1.000x | - | <= 1.05x | yes |" in text
     assert readme.INTERVAL_NOTE in text
+    assert "adds to a train step" not in text  # no launch counts in this run
+
+    matrix["workloads"]["toy"].update(launches={"added": 82.0, "budget": 90, "normal": 300.0, "capture": 382.0},
+                                      host_us_per_added_launch=63.4)
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert "`toy` +82 (budget 90, 63 us of host each)." in text
 
 
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
