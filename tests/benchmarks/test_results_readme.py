@@ -83,13 +83,16 @@ def _bench_file(tmp_path, matrix):
     return path
 
 
+def _toy_matrix(goals):
+    return {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
+            "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
+
+
 def test_the_workload_matrix_is_rendered_with_its_verdicts(tmp_path):
     goals = [{"figure": "pipelined TCov=100 vs Adam", "value": 1.5, "unit": "x", "limit": 1.02, "met": False},
              {"figure": "sync capture step above normal", "value": 0.25, "unit": "ms", "limit": 1.0, "met": True},
              {"figure": "optimizer state vs Adam", "value": 0.5, "unit": "x", "limit": None, "met": None}]
-    matrix = {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
-              "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
-    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    text = readme.matrix_section(_bench_file(tmp_path, _toy_matrix(goals)))
     assert "| toy | pipelined TCov=100 vs Adam | 1.500x | <= 1.02x | **no** |" in text
     assert "| toy | sync capture step above normal | +0.25 ms | <= 1 ms | yes |" in text
     assert "| toy | optimizer state vs Adam | 0.500x | - | - |" in text
@@ -108,8 +111,7 @@ def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
               "interval": [0.5, 1.2], "verdict": "undecided"},
              {"figure": "capture-step peak memory vs normal", "value": 1.0, "unit": "x", "limit": 1.05, "met": True,
               "interval": None, "verdict": "met"}]
-    matrix = {"config": {"block": 10, "blocks": 4, "sync_reps": 7},
-              "workloads": {"toy": {"description": "a toy", "backend": "fused", "goals": goals}}}
+    matrix = _toy_matrix(goals)
     text = readme.matrix_section(_bench_file(tmp_path, matrix))
     assert "| workload | figure | value | interval | goal | met |" in text
     assert "| toy | sync normal step vs Adam | 1.034x | 0.990x to 1.070x | <= 1.03x | within noise |" in text
