@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning_cafin.bench.matrix import format_value
 from lightning_cafin.bench.timing import spread_text
 from lightning_cafin.provenance import REQUIRED_FIELDS
 
@@ -88,11 +89,7 @@ def bench_section(path: Path) -> str:
 
 
 def _goal_value(goal: dict) -> str:
-    if goal["unit"] == "ms":
-        return f"{goal['value']:+.2f} ms"
-    if goal["unit"] == "count":
-        return f"{goal['value']:g}"
-    return f"{goal['value']:.3f}x"
+    return format_value(goal["value"], goal["unit"])
 
 
 def _goal_limit(goal: dict) -> str:
@@ -114,7 +111,7 @@ def _goal_interval(goal: dict) -> str:
     interval = goal.get("interval")
     if interval is None:
         return "-"
-    low, high = (_goal_value({**goal, "value": v}) for v in interval)
+    low, high = (format_value(v, goal["unit"]) for v in interval)
     return f"{low} to {high}"
 
 

@@ -78,4 +78,3 @@ def capture_launches(optimizer: Any, normal_step: Callable[[], object], capture_
         "layers": dict(kinds),
         "added_by_operation": dict(sorted(changes.items(), key=lambda kv: -abs(kv[1]))),
     }
-

@@ -13,10 +13,10 @@ For each workload (``workloads.py``), on the same model, batch and precision:
 * ``sync``: one train step at a time with a synchronisation after each (what a loop that
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
   step, interleaved; medians, p10/p90 and the median's 90% interval (``ci90``) of the
-  paired ratios and differences.  The
-  capture step is also timed with its statistics on a side stream (``capture_stream=True``)
-  beside the default current stream, and with Python tensor hooks beside the default C++
-  gradient taps, so that each default is checked against a figure measured side by side.
+  paired ratios and differences.  The capture step is also timed with its statistics on a
+  side stream (``capture_stream=True``) beside the default current stream, and with Python
+  tensor hooks beside the default C++ gradient taps, so that each default is checked
+  against a figure measured side by side.
 * ``memory``: each optimizer alone on its own model: the allocator's peak during one
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident
