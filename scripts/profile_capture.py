@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cafin import no_capture  # noqa: E402
 from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
-from lightning_cafin.bench.matrix import Trainer, adafisher  # noqa: E402
+from lightning_cafin.bench.launches import is_device_operation  # noqa: E402
+from lightning_cafin.bench.matrix import PHASES, Trainer, adafisher  # noqa: E402
 from lightning_cafin.bench.timing import sync, time_ms  # noqa: E402
 from lightning_cafin.capture import taps  # noqa: E402
 from lightning_cafin.provenance import machine_name  # noqa: E402
@@ -91,7 +92,7 @@ def counted_us(evt: Any, on_gpu: bool) -> float:
     each op's own host time."""
     if not on_gpu:
         return float(evt.self_cpu_time_total)
-    if str(evt.device_type).rsplit(".", 1)[-1] != "CUDA" or getattr(evt, "is_user_annotation", False):
+    if not is_device_operation(evt):
         return 0.0
     us = getattr(evt, "self_device_time_total", None)
     return float(evt.self_cuda_time_total if us is None else us)
@@ -167,10 +168,6 @@ def host_forward_per_layer(trainer: Trainer, layers: int, reps: int) -> list[str
     lines = ["", f"host, a forward (with the loss) per captured layer, median of {reps} interleaved rounds:"]
     lines += [f"  {label:48s} {us:8.1f} us  ({us - base:+.1f} above a normal step)" for label, us in med.items()]
     return lines
-
-
-#: the marks ``phase_ends`` times, in a step's order
-PHASES = ("forward", "backward", "step")
 
 
 def phase_ends(trainer: Trainer, capture: bool, device: torch.device) -> tuple[list[float], Optional[list[float]]]:

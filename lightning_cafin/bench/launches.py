@@ -42,6 +42,14 @@ def layer_kind(module: nn.Module) -> str:
     return "linear"
 
 
+def is_device_operation(evt: Any) -> bool:
+    """Whether an averaged profiler event is work on the device (a kernel, copy or fill):
+    not a host op (its kernels are listed on their own) and not a region the host marked
+    (``Optimizer.step#...``, which on the device spans the kernels inside it and the gaps
+    between them)."""
+    return str(evt.device_type).rsplit(".", 1)[-1] == "CUDA" and not getattr(evt, "is_user_annotation", False)
+
+
 def device_operations(fn: Callable[[], object], steps: int) -> collections.Counter:
     """Device operations (kernels, copies, fills) per name over ``steps`` calls of ``fn``, on a GPU."""
     torch.cuda.synchronize()
@@ -51,8 +59,7 @@ def device_operations(fn: Callable[[], object], steps: int) -> collections.Count
         torch.cuda.synchronize()
     ops: collections.Counter = collections.Counter()
     for evt in prof.key_averages():
-        on_device = str(evt.device_type).rsplit(".", 1)[-1] == "CUDA"
-        if on_device and not getattr(evt, "is_user_annotation", False):  # (a region the host marked is not one)
+        if is_device_operation(evt):
             ops[evt.key] += evt.count
     return ops
 

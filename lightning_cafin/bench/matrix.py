@@ -387,10 +387,6 @@ def verdict(value: float, limit: Optional[float], interval: Optional[Sequence[fl
     return "not met" if low > limit else "undecided"
 
 
-def _interval(sp: dict[str, Any]) -> Optional[list[float]]:
-    return sp.get("ci90")
-
-
 def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     """Each figure of issue 16's goals, with the goal, its 90% interval and the verdicts."""
     p, s = r["pipelined"], r["sync"]
@@ -399,7 +395,7 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
         return p[f"tcov{c}"]["ratio"], p[f"tcov{c}"].get("ratio_ci90")
 
     def med(sp: dict[str, Any]) -> tuple[float, Optional[list[float]]]:
-        return sp["median"], _interval(sp)
+        return sp["median"], sp.get("ci90")
 
     rows: list[tuple[str, tuple[float, Optional[list[float]]], str, Optional[float]]] = [
         ("pipelined TCov=100 vs Adam", piped(100), "x", 1.02),

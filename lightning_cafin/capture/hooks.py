@@ -451,15 +451,13 @@ class _Slot:
             if not armed:
                 self._take_out()
             elif not self._override():
-                for r in self.registered:
-                    r.put(True)
+                self._put(True)
 
     def in_dicts(self) -> None:
         """Armed in the hook dicts, not as a forward override (a compile started)."""
         if self.overriding:
             self._take_out()
-            for r in self.registered:
-                r.put(True)
+            self._put(True)
 
     def _override(self) -> bool:
         """Arm as the module's forward override where that is safe (see the module
@@ -476,11 +474,15 @@ class _Slot:
         self.overriding = True
         return True
 
+    def _put(self, on: bool) -> None:
+        """Every hook this slot registered into its dict (``on``) or out of it."""
+        for r in self.registered:
+            r.put(on)
+
     def _take_out(self) -> None:
         """Neither in the hook dicts nor overriding the forward."""
         if not self.overriding:
-            for r in self.registered:
-                r.put(False)
+            self._put(False)
             return
         self.overriding = False  # (nothing of ours in the dicts meanwhile)
         module = self.module()
