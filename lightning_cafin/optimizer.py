@@ -38,6 +38,7 @@ from .capture.layers import check_layers
 from .capture_options import CaptureOptions
 from .health import Health
 from .observers import Observers, StepObserver
+from .profiling import profiled
 from .readout import Readout
 from .schedule import CaptureSchedule
 
@@ -77,6 +78,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
     def _init_parts(self, every: int) -> None:
         capture_taps.note_compiled_autograd_config()  # (and at every step: C++ taps cannot run under it)
         owner = type(self).__name__
+        #: the profiler ranges of a capture step's factor update and of every step's parameter update
+        self._range_names = (f"{owner}.update_factors", f"{owner}.update_parameters")
         self._health = Health(owner)
         self.schedule = CaptureSchedule(every)
         self.binding = LayerBinding(owner, self._capturing_now, self._health.warn_once, getattr(self, "_layers", "all"))
@@ -137,7 +140,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
                 return
             defer = False
         if capture:
-            self._update_factors(grad_scale)
+            with profiled(self._range_names[0]):
+                self._update_factors(grad_scale)
         else:
             self.binding.discard_pending()
         plans = [(group, self._plan(i, group)) for i, group in enumerate(self.param_groups)]
@@ -145,7 +149,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             if self._skipped(found_inf):
                 return
             defer = False
-        with self._observers.around_update(self, found_inf):
+        with self._observers.around_update(self, found_inf), profiled(self._range_names[1]):
             for group, plan in plans:
                 self._dispatch.run(plan, self.hyper(group), self.binding.version, grad_scale, found_inf if defer else None)
             if found_inf is not None and defer:
