@@ -1,5 +1,5 @@
 // A captured layer's forward hook that repeats the layer's last C++ tap without entering
-// Python (lightning_cafin/capture/hooks.py, "the forward's repeat").
+// Python (lightning_cafin/capture/forward_capture.py, "the forward's repeat").
 //
 // On a capture step every captured layer's forward calls its forward hook, and the usual
 // forward repeats the last one: the same shapes and dtypes, the same weight, the same tap.

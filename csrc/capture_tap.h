@@ -1,7 +1,7 @@
 // Gradient taps: a layer's capture statistics taken in C++ when the gradient of its output
 // arrives, with no Python in the backward pass.
 //
-// The capture forward hook (lightning_cafin/capture/hooks.py) calls the layer's
+// The capture forward hook (lightning_cafin/capture/forward_capture.py) calls the layer's
 // TapPlan.tap once per captured layer with the layer's input x and its output; it
 // registers a C++ tensor hook on the output.  In the backward pass the hook
 // calls layer_stats(x, grad, ...), adds (h, hn, s, sn) to the layer's TapSink and lets go
@@ -92,7 +92,7 @@ struct SinkSet {
 std::shared_ptr<TakenSums> take_single(const SinkSet& set);
 
 // One layer's tap for one pair of shapes: the layer's sink and layer_stats' arguments,
-// made once and kept by the capture hook (hooks.py, LayerCapture.tap_plan), so that a tap
+// made once and kept by the capture hook (layer_capture.py, LayerCapture.tap_plan), so that a tap
 // costs the forward one call with three arguments.  tap() registers on `output` (which
 // must require grad) the tap described above.  Where the input's statistics were read in
 // the forward (h, hn: a frozen weight, a layer computing on an autocast copy, activation

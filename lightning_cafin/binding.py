@@ -20,7 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 from .backends import FactorView
 from .capture.factors import LaunchKeeper
-from .capture.hooks import LayerCapture, attach, can_disarm, detach, factor_tensors_replaced, set_armed
+from .capture.hooks import attach, can_disarm, detach, set_armed
+from .capture.layer_capture import LayerCapture, factor_tensors_replaced
 from .capture.layers import ParamSlot, check_layers, rule_for, unseen_parameters
 from .capture.tap_gate import TapGate
 

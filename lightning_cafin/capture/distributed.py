@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .hooks import LayerCapture, PendingStats
+from .layer_capture import LayerCapture, PendingStats
 
 Sizes = tuple[tuple[int, int], ...]
 

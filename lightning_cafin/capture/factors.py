@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import kernels as _kernels
-from .hooks import LayerCapture, PendingStats, factor_tensors_replaced
+from .layer_capture import LayerCapture, PendingStats, factor_tensors_replaced
 from .rules.base import KernelPlan
 
 NORM_EPS = 1e-6

@@ -1,4 +1,4 @@
-"""When a captured layer's forward may repeat its last tap in C++ (``hooks.py``, the
+"""When a captured layer's forward may repeat its last tap in C++ (``forward_capture.py``, the
 extension's ``ForwardTapHook``): the step-level conditions, settled once per step.
 
 The Python forward hook asks, at every captured layer's forward, whether this step

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture.factors import CaptureReport, update_factors
-from lightning_cafin.capture.hooks import LayerCapture, PendingStats
+from lightning_cafin.capture.layer_capture import LayerCapture, PendingStats
 from lightning_cafin.capture.layers import rule_for
 
 

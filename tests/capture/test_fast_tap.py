@@ -20,7 +20,8 @@ from torch import nn
 from lightning_cafin import AdaFisher, no_capture
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture import hooks, taps
-from lightning_cafin.capture.hooks import LayerCapture, keep_hooks_in_place
+from lightning_cafin.capture.hooks import keep_hooks_in_place
+from lightning_cafin.capture.layer_capture import LayerCapture
 
 from .test_gradient_taps import ext, tap_setting  # noqa: F401  (fixtures)
 from .test_kept_launch import Tapped, _assert_same, kernels_on_cpu  # noqa: F401  (kernels_on_cpu: a fixture)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_cafin.capture import streams
-from lightning_cafin.capture.hooks import LayerCapture, attach, detach
+from lightning_cafin.capture.hooks import attach, detach
+from lightning_cafin.capture.layer_capture import LayerCapture
 from lightning_cafin.capture.layers import rule_for
 
 

@@ -20,7 +20,7 @@ from lightning_cafin import spec
 from lightning_cafin._conv import conv_output_hw, conv_padding
 from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture.factors import update_factors
-from lightning_cafin.capture.hooks import LayerCapture, PendingStats
+from lightning_cafin.capture.layer_capture import LayerCapture, PendingStats
 from lightning_cafin.capture.layers import rule_for
 from lightning_cafin.capture.rules.conv import conv_columns
 
