@@ -1,4 +1,4 @@
-// Fused AdaFisher / AdaFisherW optimizer step (ADAFISHER_SPEC.md, "The step").
+// Fused AdaFisher / AdaFisherW optimizer step (docs/ADAFISHER_SPEC.md, "The step").
 //
 // One multi-tensor launch per (param dtype, momentum dtype) call, for up to
 // kStepMaxTensors tensors: every tensor is cut into chunks of kStepChunkSize elements,

@@ -1,4 +1,4 @@
-// Factor-capture kernels (ADAFISHER_SPEC.md, "Supported modules" and "Normalisation").
+// Factor-capture kernels (docs/ADAFISHER_SPEC.md, "Supported modules" and "Normalisation").
 //
 // * conv input statistics without patches: x^2 summed over the batch into a small fp32
 //   map, then every kernel tap's window sum of that map (groups pooled, zeros padding);

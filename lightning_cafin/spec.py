@@ -1,4 +1,4 @@
-"""The oracle: ADAFISHER_SPEC.md restated in plain PyTorch, as directly as it is written.
+"""The oracle: docs/ADAFISHER_SPEC.md restated in plain PyTorch, as directly as it is written.
 
 Nothing here is fast and nothing here imports a fast path.  Tests measure every
 other implementation (the capture rules, the ``foreach`` and ``fused`` steps)

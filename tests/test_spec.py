@@ -1,4 +1,4 @@
-"""The oracle against values worked out by hand from ADAFISHER_SPEC.md, on tiny layers."""
+"""The oracle against values worked out by hand from docs/ADAFISHER_SPEC.md, on tiny layers."""
 
 import math
 

@@ -5,7 +5,7 @@ holds everything that makes one build differ from another (sources and flags, to
 CUDA, nvcc, architecture list, host compiler, Python and install location), so that two
 installs (a checkout and a pip-installed copy) never evict each other.
 
-Each build is about 6 MB, and every change of the sources or of torch makes a new one, so
+Each build is about 8 MB, and every change of the sources or of torch makes a new one, so
 after a build :func:`prune_superseded` removes the install's older builds beyond the newest
 few (``$LIGHTNING_CAFIN_KEEP_BUILDS``, default 2: switching back to a recent checkout
 should not cost a rebuild).  Builds of other installs are never touched: their key names

@@ -1,7 +1,7 @@
 """Normalisation layers: ``H`` has exactly two entries (the weight's and the bias's column).
 
 Two families, each the direct generalisation of one of the paper's norms
-(ADAFISHER_SPEC.md, "Supported modules"):
+(docs/ADAFISHER_SPEC.md, "Supported modules"):
 
 * **per-channel norms** (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``GroupNorm``): the
   ``BatchNorm2d`` definition with the spatial size being the product of every dim after
