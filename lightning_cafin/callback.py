@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence, Union
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 from .backends import BACKEND_NAMES
 from .binding import FSDP1_REFUSED
@@ -96,6 +97,7 @@ class CAFINCallback(Callback):
         self._layout_written: set[int] = set()
 
     # ------------------------------------------------------------- lifecycle
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         from lightning.pytorch.strategies import FSDPStrategy
 
@@ -106,6 +108,7 @@ class CAFINCallback(Callback):
         # learning-rate search swaps the trainer's callbacks out) still binds to it.
         offer_model(pl_module)
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach(trainer, pl_module, warn_if_none=True)
         if self._monitors and self._writer is not None:
@@ -147,6 +150,7 @@ class CAFINCallback(Callback):
         self._writer.open_series(["live", "baseline", "device", "host"] if on_gpu else ["live", "baseline", "host"])
         self._log_backend(trainer)
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
         withdraw_model(pl_module)
@@ -161,6 +165,7 @@ class CAFINCallback(Callback):
             self._writer.close()
 
     # ------------------------------------------------------------- each batch
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if tuple(id(o) for o in trainer.optimizers) != self._watched:
             # the optimizers were replaced after fit start (a learning-rate search does this)
@@ -174,6 +179,7 @@ class CAFINCallback(Callback):
         every = self.divergence_every_n_steps
         return bool(every) and (step == 1 or (step > 0 and step % every == 0))
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._monitors or self._writer is None or not self._should_log(trainer):

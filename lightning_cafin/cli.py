@@ -33,6 +33,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from .callback import CAFINCallback
 from .data.download import DownloadError
@@ -78,6 +79,7 @@ class CafinCLI(LightningCLI):
             self._discard_log_dirs_of_a_run_that_never_stepped()
             raise
 
+    @override
     def before_instantiate_classes(self) -> None:
         """Refuse bad optimizer hyper-parameters as a usage error, before a logger or trainer exists."""
         config = self.config.get(str(self.subcommand), self.config)
@@ -102,6 +104,7 @@ class CafinCLI(LightningCLI):
             elif path.is_dir() and not any(path.iterdir()):
                 path.rmdir()
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Registered here (LightningCLI would add the same group after this hook) so that it
         # can carry a default; still 'AUTOMATIC', i.e. wired into configure_optimizers.
@@ -113,6 +116,7 @@ class CafinCLI(LightningCLI):
         optimizer = config.get("optimizer")
         return _imports(getattr(optimizer, "class_path", None) if optimizer is not None else None)
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         callbacks = list(configured) if isinstance(configured, (list, tuple)) else [configured]
@@ -131,7 +135,7 @@ class CafinCLI(LightningCLI):
                 self._new_log_dirs += created  # deepest first
         return trainer
 
-    def before_fit(self) -> None:
+    def before_fit(self) -> None:  # (no @override: LightningCLI calls before_<subcommand> by name)
         _warn_if_no_cafin_scalars(self.trainer)
 
     def _add_configure_optimizers_method_to_model(self, subcommand: Optional[str]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from . import state_format
 from ._validation import check_hyperparameters, checked_param_group, reject_unknown_kwargs
@@ -95,12 +96,14 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         #: the capture step's one all-reduce of every layer's statistics (``last``: what it sent)
         self.statistics_reduction = StatisticsReduction()
 
+    @override
     def __setstate__(self, state: dict) -> None:
         # torch calls this from load_state_dict (keep our parts) and on unpickling (only torch's fields exist)
         super().__setstate__(state)
         if not hasattr(self, "binding"):
             self._init_parts(self.defaults["TCov"])
 
+    @override
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(checked_param_group(type(self).__name__, param_group, self.defaults))
         if hasattr(self, "binding"):  # torch's __init__ adds the first groups before the binding exists
@@ -108,6 +111,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             self._paired()
 
     # ------------------------------------------------------------------ the step
+    @override
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One AdaFisher update; on capture steps the factors are re-estimated first.
 
@@ -256,12 +260,14 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         return StepHyper(group["lr"], group["beta"], group["Lambda"], group["weight_decay"], self._decoupled)
 
     # ------------------------------------------------------------------- state
+    @override
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus the schedule and the factors (keyed by module name), in
         the first param group, where ``torch.distributed.checkpoint`` keeps them (``state_format.py``)."""
         schedule = self.schedule.state_dict()  # waits for the skip flags: the saved count is exact
         return state_format.with_record(super().state_dict(), schedule, self.binding.state_dict())
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's state and the factors; the caller's dict is left untouched."""
         torch_part, record = state_format.split_record(state_dict)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from .optimizer import AdaFisher
 
@@ -59,6 +60,7 @@ class ImageClassifier(LightningModule):
         if channels_last:
             self.net = self.net.to(memory_format=torch.channels_last)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -75,15 +77,19 @@ class ImageClassifier(LightningModule):
                  batch_size=y.numel())
         return loss
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self._shared(batch, "train", self.train_accuracy)
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._shared(batch, "val", self.val_accuracy)
 
+    @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._shared(batch, "test", self.test_accuracy)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Parameters only, as LightningCLI would: CAFINCallback binds the layers at fit start.
         return AdaFisher(self.parameters())

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from typing_extensions import override
 
 from .augment import prepare_batch
 from .cifar import CIFAR_MEAN, CIFAR_STD, load_cifar
@@ -83,11 +84,13 @@ class _InMemoryImageDataModule(LightningDataModule):
             return str(DEFAULT_DOWNLOAD_ROOT)
         return self.root
 
+    @override
     def prepare_data(self) -> None:
         # Lightning calls this on one process per node: the only place that may download.
         if self.download:
             self._fetch(Path(self.root) if self.root is not None else DEFAULT_DOWNLOAD_ROOT)
 
+    @override
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
@@ -116,16 +119,20 @@ class _InMemoryImageDataModule(LightningDataModule):
         return DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train, generator=generator,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.eval_batch_size, train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, self.eval_batch_size, train=False)
 
     # -- on the device ----------------------------------------------------------------
+    @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
         training = self.trainer is not None and self.trainer.training
