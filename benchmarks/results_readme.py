@@ -158,6 +158,12 @@ def matrix_section(path: Path) -> Optional[str]:
                   "its layers allow (per layer one launch per statistic: a conv's input two and its output gradient's one, "
                   "a linear layer's two, a norm's one; and 8 per step), and the capture step's extra host time per added "
                   "one: " + "; ".join(_launch_text(name, w) for name, w in counted.items()) + "."]
+    speed = matrix.get("host_speed")
+    if speed:
+        lines += ["", f"This machine's host took {speed['op_us']['median']:.1f} us to issue one torch op (a one-element "
+                  f"in-place add) and {speed['alloc_us']['median']:.1f} us for a small allocation and its free, measured "
+                  "before the workloads (`bench/host_speed.py`): the price of each added launch before any work of the "
+                  "package's own."]
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]

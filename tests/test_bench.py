@@ -52,6 +52,11 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert set(record["ratios"]) == {r["workload"] for r in rows}
     assert (tmp_path / "bench.png").stat().st_size > 0  # matplotlib is a dev dependency
 
+    speed = record["matrix"]["host_speed"]
+    if torch.cuda.is_available():  # the host's own price of an op and of an allocation, before the workloads
+        assert speed["op_us"]["median"] > 0 and speed["alloc_us"]["median"] > 0 and speed["op_us"]["n"] >= 5
+    else:
+        assert speed is None
     matrix = record["matrix"]["workloads"]
     assert tuple(matrix) == MATRIX
     for name, wl in matrix.items():
@@ -287,3 +292,23 @@ def test_layer_kinds_and_no_launch_counts_without_a_gpu():
             for kind, ms in (("normal", (1.0, 2.0, 0.5)), ("capture", (1.5, 3.0, 1.0)))}
     assert host_us_per_added_launch({"host": host, "launches": {"added": 40.0}}) == pytest.approx(50.0)
     assert host_us_per_added_launch({"host": host, "launches": None}) is None
+
+
+def test_host_speed_is_measured_on_a_gpu_only_and_printed_with_its_spread():
+    from lightning_cafin.bench.host_speed import host_speed, host_speed_text
+
+    assert host_speed(torch.device("cpu")) is None
+    text = host_speed_text({"op_us": spread([20.0, 21.0, 22.0, 23.0, 24.0]), "alloc_us": spread([3.0] * 5), "calls": 200})
+    assert text.startswith("host: a one-element torch op 22.0 us [")
+    assert "a 1 KB allocation and its free 3.0 us [3.0, 3.0] (per call, blocks of 200)" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_speed_times_ops_and_allocations_per_call_on_a_gpu():
+    from lightning_cafin.bench.host_speed import host_speed
+
+    speed = host_speed(torch.device("cuda"), calls=50, blocks=5)
+    assert speed is not None and speed["calls"] == 50
+    for key in ("op_us", "alloc_us"):
+        assert speed[key]["n"] == 5 and 0 < speed[key]["p10"] <= speed[key]["median"] <= speed[key]["p90"], key

@@ -10,7 +10,8 @@ Three parts, all written to ``bench.json`` (with the run's provenance) in ``--ou
   GPT-2-small-shaped LM (bf16, AdaFisherW), each against Adam(W)(fused=True) on the same
   model: pipelined train steps at TCov 100 / 10 / 1, step-synchronous normal and capture
   steps, peak memory per step type, the optimizer step alone, optimizer-state bytes
-  (``matrix``).  Its table of figures beside their goals prints last;
+  (``matrix``), with the host's own price of a torch op and of an allocation measured first
+  (``host_speed.py``).  Its table of figures beside their goals prints last;
 * the callback's cost (``callback_overhead.py``, ``--only callback``): a Lightning training
   step of the CIFAR ResNet-18 with ``CAFINCallback()`` and its TensorBoard dashboard
   against the same step with AdaFisher bound to the model directly, interleaved fits, and
@@ -43,6 +44,7 @@ from ..models import ResNet18, TransformerClassifier
 from ..provenance import provenance
 from .callback_overhead import CallbackConfig, callback_table, measure_callback
 from .compiled import COMPILED_WORKLOADS, CompiledConfig, compiled_table, run_compiled
+from .host_speed import host_speed, host_speed_text
 from .matrix import MatrixConfig, add_launch_counts, detail_table, goals_table, run_matrix
 from .optimizer_step import Result, bench_flat, bench_model, plot, ratios, state_bytes, table, variants
 from .timing import extra_ms, median_ms
@@ -143,7 +145,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(1)
     try:
         results = [] if args.matrix_only else run_table(only, device, quick, args.reps or (3 if quick else 30), args.flat)
-        matrix = run_matrix([n for n in MATRIX_WORKLOADS if n in only], workloads(device, quick), device, cfg)
+        matrix_names = [n for n in MATRIX_WORKLOADS if n in only]
+        speed = host_speed(device) if matrix_names else None  # the host's own price of a launch, device idle
+        matrix = run_matrix(matrix_names, workloads(device, quick), device, cfg)
         callback = None
         if CALLBACK in only and not args.matrix_only:
             wl = workloads(device, quick)["resnet18"]
@@ -164,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = ratios(results)
     record = {"provenance": provenance(device, "python -m lightning_cafin.bench " + " ".join(raw_argv)),
               "results": [asdict(r) for r in results], "ratios": summary,
-              "matrix": {"config": asdict(cfg), "workloads": matrix}}
+              "matrix": {"config": asdict(cfg), "workloads": matrix, "host_speed": speed}}
     if callback is not None:
         record["callback"] = callback
     if compiled is not None:
@@ -180,6 +184,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {out / 'bench.json'}" + (f"; {chart_note}" if chart_note else f" and {out / 'bench.png'}"))
     if matrix:
         print(detail_table(matrix))
+        if speed is not None:
+            print(host_speed_text(speed))
     if callback is not None:
         print(callback_table(callback))
     if compiled is not None:

@@ -125,6 +125,12 @@ def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
                                       host_us_per_added_launch=63.4)
     text = readme.matrix_section(_bench_file(tmp_path, matrix))
     assert "`toy` +82 (budget 90, 63 us of host each)." in text
+    assert "This machine's host took" not in text  # no host speed in this run
+
+    matrix["host_speed"] = {"op_us": spread_around(31.26, 9), "alloc_us": spread_around(4.5, 9), "calls": 200}
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert "This machine's host took 31.3 us to issue one torch op" in text
+    assert "and 4.5 us for a small allocation and its free" in text
 
 
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):

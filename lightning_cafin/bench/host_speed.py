@@ -1,0 +1,65 @@
+"""What this machine's host pays to issue device work: the yardstick for a host-bound step.
+
+A capture step on a host-bound train step costs about its added launches times what each
+costs the host (``launches.py``).  That price belongs to the machine, not to the package:
+the bench's GPU host took about 60 microseconds per op of a ResNet-18's backward, where a
+typical workstation takes a few.  So the matrix measures it on its own, before any workload:
+
+* ``op_us``: one torch op on a one-element CUDA tensor (``add_``, in place): the dispatcher,
+  one kernel launch, no allocation;
+* ``alloc_us``: a 1 KB CUDA tensor made and dropped: the caching allocator, no launch.
+
+Each is timed on the host over blocks of calls (the device synchronised before each block,
+never inside it: the queue never fills at these sizes), per call, as a :func:`spread` over
+the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from .timing import spread
+
+#: calls per timed block, and blocks
+CALLS, BLOCKS = 200, 9
+
+
+def _per_call_us(fn: Callable[[], None], device: torch.device, calls: int, blocks: int) -> dict[str, Any]:
+    fn()  # warm: the kernel loaded, the allocator's block cached
+    per_call = []
+    for _ in range(blocks):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        per_call.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize(device)
+    return spread(per_call)
+
+
+def host_speed(device: torch.device, calls: int = CALLS, blocks: int = BLOCKS) -> Optional[dict[str, Any]]:
+    """``{"op_us": spread, "alloc_us": spread, "calls": calls}`` on a CUDA device; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    one = torch.zeros(1, device=device)
+
+    def ops() -> None:
+        for _ in range(calls):
+            one.add_(1.0)
+
+    def allocations() -> None:
+        for _ in range(calls):
+            torch.empty(256, device=device)
+
+    return {"op_us": _per_call_us(ops, device, calls, blocks),
+            "alloc_us": _per_call_us(allocations, device, calls, blocks), "calls": calls}
+
+
+def host_speed_text(speed: dict[str, Any]) -> str:
+    """One line for the tables: both figures' median [p10, p90]."""
+    op, alloc = speed["op_us"], speed["alloc_us"]
+    return (f"host: a one-element torch op {op['median']:.1f} us [{op['p10']:.1f}, {op['p90']:.1f}], "
+            f"a 1 KB allocation and its free {alloc['median']:.1f} us [{alloc['p10']:.1f}, {alloc['p90']:.1f}] "
+            f"(per call, blocks of {speed['calls']})")
