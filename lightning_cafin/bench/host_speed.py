@@ -2,8 +2,8 @@
 
 A capture step on a host-bound train step costs about its added launches times what each
 costs the host (``launches.py``).  That price belongs to the machine, not to the package:
-the bench's GPU host took about 60 microseconds per op of a ResNet-18's backward, where a
-typical workstation takes a few.  So the matrix measures it on its own, before any workload:
+the bench's GPU host took about 60 microseconds per op of a ResNet-18's backward (the matrix at
+018603b), where an idle workstation commonly takes a few.  So the matrix measures it on its own, before any workload:
 
 * ``op_us``: one torch op on a one-element CUDA tensor (``add_``, in place): the dispatcher,
   one kernel launch, no allocation;
