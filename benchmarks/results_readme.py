@@ -163,7 +163,9 @@ def matrix_section(path: Path) -> Optional[str]:
         lines += ["", f"This machine's host took {speed['op_us']['median']:.1f} us to issue one torch op (a one-element "
                   f"in-place add) and {speed['alloc_us']['median']:.1f} us for a small allocation and its free, measured "
                   "before the workloads (`bench/host_speed.py`): the price of each added launch before any work of the "
-                  "package's own."]
+                  "package's own. In those units, a step-synchronous capture step's time above a normal step's was "
+                  + "; ".join(f"`{name}` {w['sync']['capture_above_normal_ms']['median'] * 1e3 / speed['op_us']['median']:.0f}"
+                              for name, w in matrix["workloads"].items()) + " ops."]
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]

@@ -128,9 +128,11 @@ def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
     assert "This machine's host took" not in text  # no host speed in this run
 
     matrix["host_speed"] = {"op_us": spread_around(31.26, 9), "alloc_us": spread_around(4.5, 9), "calls": 200}
+    matrix["workloads"]["toy"]["sync"] = {"capture_above_normal_ms": spread_around(2.5, 30)}
     text = readme.matrix_section(_bench_file(tmp_path, matrix))
     assert "This machine's host took 31.3 us to issue one torch op" in text
     assert "and 4.5 us for a small allocation and its free" in text
+    assert "a step-synchronous capture step's time above a normal step's was `toy` 80 ops." in text  # 2.5 ms / 31.26 us
 
 
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
