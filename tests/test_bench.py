@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from lightning_cafin.bench.workloads import workloads
 MATRIX = ("resnet18", "resnet18-bf16cl", "resnet50", "gpt")
 
 
+RATIO_KEY = re.compile(r"(^|_)ratio($|_)")
+
+
 def ratio_values(tree, path=""):
     """Every number under a key that names a ratio, with where it was."""
     if isinstance(tree, dict):
@@ -23,7 +27,7 @@ def ratio_values(tree, path=""):
             if k.endswith("_ci90"):  # an interval: two ratios, or None where too few blocks were timed
                 for i, bound in enumerate(v or ()):
                     yield f"{here}[{i}]", bound
-            elif "ratio" in k:
+            elif RATIO_KEY.search(k):  # (a word of the key: "added_by_operation" holds "ratio" too)
                 if isinstance(v, dict):  # a spread of paired ratios
                     for stat in ("median", "p10", "p90"):
                         yield f"{here}.{stat}", v[stat]
