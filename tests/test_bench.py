@@ -303,8 +303,8 @@ def test_host_speed_is_measured_on_a_gpu_only_and_printed_with_its_spread():
 
     assert host_speed(torch.device("cpu")) is None
     text = host_speed_text({"op_us": spread([20.0, 21.0, 22.0, 23.0, 24.0]), "alloc_us": spread([3.0] * 5), "calls": 200})
-    assert text.startswith("host: a one-element torch op 22.0 us [")
-    assert "a 1 KB allocation and its free 3.0 us [3.0, 3.0] (per call, blocks of 200)" in text
+    assert text.startswith("host: a one-element torch op 22.00 [20.40, 23.60] us, ")
+    assert "a 1 KB allocation and its free 3.00 [3.00, 3.00] us (per call, blocks of 200)" in text
 
 
 @pytest.mark.cuda

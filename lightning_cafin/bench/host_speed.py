@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .timing import spread
+from .timing import spread, spread_text, sync
 
 #: calls per timed block, and blocks
 CALLS, BLOCKS = 200, 9
@@ -31,11 +31,11 @@ def _per_call_us(fn: Callable[[], None], device: torch.device, calls: int, block
     fn()  # warm: the kernel loaded, the allocator's block cached
     per_call = []
     for _ in range(blocks):
-        torch.cuda.synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
         per_call.append((time.perf_counter() - t0) * 1e6 / calls)
-    torch.cuda.synchronize(device)
+    sync(device)
     return spread(per_call)
 
 
@@ -58,8 +58,6 @@ def host_speed(device: torch.device, calls: int = CALLS, blocks: int = BLOCKS) -
 
 
 def host_speed_text(speed: dict[str, Any]) -> str:
-    """One line for the tables: both figures' median [p10, p90]."""
-    op, alloc = speed["op_us"], speed["alloc_us"]
-    return (f"host: a one-element torch op {op['median']:.1f} us [{op['p10']:.1f}, {op['p90']:.1f}], "
-            f"a 1 KB allocation and its free {alloc['median']:.1f} us [{alloc['p10']:.1f}, {alloc['p90']:.1f}] "
-            f"(per call, blocks of {speed['calls']})")
+    """One line for the tables: both figures as the tables print a spread (``spread_text``), in us."""
+    return (f"host: a one-element torch op {spread_text(speed['op_us'])} us, "
+            f"a 1 KB allocation and its free {spread_text(speed['alloc_us'])} us (per call, blocks of {speed['calls']})")
