@@ -112,9 +112,45 @@ ChannelRowsShape channel_rows_shape(const ChannelArgs& a, int element_size);
 // (its registers decide: measured by the runtime, cached); 1 if that cannot be asked.
 int channel_rows_blocks_per_sm(RowsRead read, at::ScalarType dtype);
 
+// One tensor's reduction in a launch of the rows kernel: its arguments, the lanes of its
+// shape, its splits and channel tiles, its workspace (nsplit x O partials), counter slots
+// (one per tile) and output.  An item of no tiles has no blocks.
+struct RowsItem {
+  ChannelArgs a;
+  int lanes;
+  int nsplit;
+  int tiles;
+  float* partials;
+  unsigned* counters;
+  float* dst;
+};
+
+// A launch of the rows kernel: blocks [0, first_blocks) are the first item's, the rest
+// the second's (an empty second item for a launch of one tensor).
+struct RowsPair {
+  RowsItem first, second;
+  int first_blocks;
+};
+
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
                                  int nsplit, float* ws, unsigned* counters, float* out,
                                  cudaStream_t stream);
+
+// One channel-statistics reduction as its op planned it (launch_channel_stats' arguments).
+struct ChannelLaunch {
+  ChannelArgs a;
+  at::ScalarType dtype;
+  bool rows_kernel;
+  int nsplit;
+  float* ws;
+  unsigned* counters;
+  float* out;
+};
+
+// Two reductions (a layer's input and its output's gradient): one launch of the rows
+// kernel where both are read by it in the same dtype and read mode, else one launch each.
+// Either way the results are launch_channel_stats'.
+cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunch& y, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // A norm's statistics from what its backward already has (capture_tap.h's NormTap), one

@@ -299,10 +299,14 @@ ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, doubl
   return p;
 }
 
+// The plan as the launchers take it, writing to `out` (its workspace `ws`, when it has one).
+ChannelLaunch channel_launch(const ChannelPlan& p, float* out, float* ws) {
+  return {p.a, p.t.scalar_type(), p.rows, p.nsplit, p.n_ws ? ws : nullptr, p.counters, out};
+}
+
 void launch(const ChannelPlan& p, float* out, float* ws, cudaStream_t stream) {
-  check_launch(launch_channel_stats(p.a, p.t.scalar_type(), p.rows, p.nsplit, p.n_ws ? ws : nullptr, p.counters, out,
-                                    stream),
-               kChan);
+  const ChannelLaunch l = channel_launch(p, out, ws);
+  check_launch(launch_channel_stats(l.a, l.dtype, l.rows_kernel, l.nsplit, l.ws, l.counters, l.out, stream), kChan);
 }
 
 // Parts of one float buffer start at multiples of 64 floats (256 bytes: the kernels'
@@ -407,6 +411,12 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;
   const cudaStream_t stream = current_stream(x);
   at::Tensor h = out.narrow(0, 0, nh), s = out.narrow(0, off_s, pg.n_out);
+  float* const s_ws = w ? w + aligned(wh) : nullptr;
+  if (!conv && !h_zeros && !pg.zeros) {  // a linear layer's two reductions: one launch where one kernel reads both
+    check_launch(launch_channel_stats_pair(channel_launch(px, o, w), channel_launch(pg, o + off_s, s_ws), stream),
+                 kLayer);
+    return {h, s};
+  }
   if (h_zeros) {
     h.zero_();
   } else if (conv) {
@@ -417,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   if (pg.zeros) {
     s.zero_();
   } else {
-    launch(pg, o + off_s, w ? w + aligned(wh) : nullptr, stream);
+    launch(pg, o + off_s, s_ws, stream);
   }
   return {h, s};
 }

@@ -523,20 +523,25 @@ __device__ __forceinline__ void add_stats(const ChannelArgs& a, const float (&v)
   for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
 }
 
-template <typename T, RowsRead kRead, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
-__global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, const T* __restrict__ t, int lanes,
-                                                              int nsplit, float* __restrict__ partials,
-                                                              unsigned* __restrict__ counters,
-                                                              float* __restrict__ dst) {
+// One block of the rows kernel over one item (RowsItem): its block b is tile b % tiles
+// and split b / tiles (the order of a (tiles, splits) grid).  `smem` holds kBlock * V floats.
+template <typename T, RowsRead kRead, int kBlock, int kUnroll>
+__device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, float* smem) {
   constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
-  __shared__ float smem[kBlock * V];
+  const ChannelArgs& a = item.a;
+  const T* __restrict__ t = static_cast<const T*>(a.t);
+  const int lanes = item.lanes, nsplit = item.nsplit;
+  float* __restrict__ partials = item.partials;
+  unsigned* __restrict__ counters = item.counters;
+  float* __restrict__ dst = item.dst;
+  const int bx = b % item.tiles, by = b / item.tiles;
   const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
   const int pass = kBlock / lanes;   // rows per block pass
   const int stride = lanes * V;      // smem floats per pass row
   const int width = kRead == RowsRead::kShifted ? stride - V : stride;  // channels per tile
-  const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * width;
+  const int64_t tile0 = static_cast<int64_t>(bx) * width;
   const int64_t o = tile0 + static_cast<int64_t>(cl) * V;
-  const Range rr = split_range(a.A * a.P, nsplit, blockIdx.y);
+  const Range rr = split_range(a.A * a.P, nsplit, by);
   const bool flat = a.P == 1 || a.sa == a.P * a.sp;
   const int64_t rs = a.P == 1 ? a.sa : a.sp;
   auto row = [&](int64_t q) { return t + (flat ? q * rs : (q / a.P) * a.sa + (q % a.P) * a.sp) + tile0; };
@@ -611,8 +616,8 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, con
     if (mine) dst[tile0 + c] = finish(a, s);
     return;
   }
-  if (mine) partials[static_cast<int64_t>(blockIdx.y) * a.O + tile0 + c] = s;
-  if (!finished_last(counters + blockIdx.x, nsplit)) return;
+  if (mine) partials[static_cast<int64_t>(by) * a.O + tile0 + c] = s;
+  if (!finished_last(counters + bx, nsplit)) return;
   // The last block sums the splits: `groups` threads per column (or per four columns, read
   // as one float4 where the rows allow) take every groups-th split, then thread c adds the
   // groups in order (a fixed order: deterministic).  Its loads are what the launch waits
@@ -656,6 +661,24 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(ChannelArgs a, con
     float total = 0.f;
     for (int k = 0; k < groups; ++k) total += smem[k * width + c];
     dst[tile0 + c] = finish(a, total);
+  }
+}
+
+// A launch reads one or two tensors (RowsPair): a layer's input and its output's gradient
+// in one launch where one kernel reads both (a capture step's host pays per launch, per
+// layer).  Blocks [0, first_blocks) are the first item's, the rest the second's.  The body
+// is inlined once per item, each reading its item from the launch's parameters at fixed
+// offsets (__grid_constant__: no copy to local memory), which the constant cache gives
+// again wherever the body reads them: the registers of the one-item kernel.
+template <typename T, RowsRead kRead, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
+__global__ void __launch_bounds__(kBlock) channel_rows_kernel(const __grid_constant__ RowsPair pair) {
+  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
+  __shared__ float smem[kBlock * V];
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < pair.first_blocks) {
+    channel_rows_block<T, kRead, kBlock, kUnroll>(pair.first, b, smem);
+  } else {
+    channel_rows_block<T, kRead, kBlock, kUnroll>(pair.second, b - pair.first_blocks, smem);
   }
 }
 
@@ -923,6 +946,42 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
   return cudaGetLastError();
 }
 
+namespace {
+
+// (blocks of one launch are counted in int: the kernel's block indices are)
+bool fits_launch(int64_t blocks) { return blocks <= std::numeric_limits<int>::max(); }
+
+RowsItem rows_item(const ChannelArgs& a, const ChannelRowsShape& shape, int nsplit, float* ws, unsigned* counters,
+                   float* out) {
+  RowsItem it{};
+  it.a = a;
+  it.lanes = shape.lanes;
+  it.nsplit = nsplit;
+  it.tiles = static_cast<int>(shape.tiles);
+  it.partials = ws;
+  it.counters = counters;
+  it.dst = out;
+  return it;
+}
+
+template <typename T>
+cudaError_t launch_rows(const RowsPair& pair, RowsRead read, cudaStream_t stream) {
+  const int64_t blocks = static_cast<int64_t>(pair.first_blocks) + static_cast<int64_t>(pair.second.tiles) * pair.second.nsplit;
+  if (blocks == 0) return cudaSuccess;
+  if (!fits_launch(blocks)) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (read == RowsRead::kVector) {
+    channel_rows_kernel<T, RowsRead::kVector><<<grid, kRowsBlock, 0, stream>>>(pair);
+  } else if (read == RowsRead::kShifted) {
+    channel_rows_kernel<T, RowsRead::kShifted><<<grid, kRowsBlock, 0, stream>>>(pair);
+  } else {
+    channel_rows_kernel<T, RowsRead::kScalar><<<grid, kRowsBlock, 0, stream>>>(pair);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel, int nsplit,
                                  float* ws, unsigned* counters, float* out, cudaStream_t stream) {
   return dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
@@ -931,26 +990,40 @@ cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, boo
     const T* t = static_cast<const T*>(a.t);
     if (rows_kernel) {
       const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(sizeof(T)));
-      const dim3 grid(static_cast<unsigned>(shape.tiles), nsplit);
-      if (shape.read == RowsRead::kVector) {
-        channel_rows_kernel<T, RowsRead::kVector><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
-      } else if (shape.read == RowsRead::kShifted) {
-        channel_rows_kernel<T, RowsRead::kShifted><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters,
-                                                                                     out);
-      } else {
-        channel_rows_kernel<T, RowsRead::kScalar><<<grid, kRowsBlock, 0, stream>>>(a, t, shape.lanes, nsplit, ws, counters, out);
-      }
+      if (!fits_launch(shape.tiles * nsplit)) return cudaErrorInvalidConfiguration;
+      RowsPair pair{};
+      pair.first = rows_item(a, shape, nsplit, ws, counters, out);
+      pair.first_blocks = static_cast<int>(shape.tiles * nsplit);
+      return launch_rows<T>(pair, shape.read, stream);
+    }
+    const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
+    const dim3 grid(static_cast<unsigned>(a.O), nsplit);
+    if (vec) {
+      channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
     } else {
-      const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
-      const dim3 grid(static_cast<unsigned>(a.O), nsplit);
-      if (vec) {
-        channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
-      } else {
-        channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
-      }
+      channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
     }
     return cudaGetLastError();
   });
+}
+
+cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunch& y, cudaStream_t stream) {
+  if (x.rows_kernel && y.rows_kernel && x.dtype == y.dtype) {
+    const int size = static_cast<int>(c10::elementSize(x.dtype));
+    const ChannelRowsShape sx = channel_rows_shape(x.a, size), sy = channel_rows_shape(y.a, size);
+    if (sx.read == sy.read && fits_launch(sx.tiles * x.nsplit + sy.tiles * y.nsplit)) {  // one kernel reads both
+      RowsPair pair{};
+      pair.first = rows_item(x.a, sx, x.nsplit, x.ws, x.counters, x.out);
+      pair.second = rows_item(y.a, sy, y.nsplit, y.ws, y.counters, y.out);
+      pair.first_blocks = static_cast<int>(sx.tiles * x.nsplit);
+      return dispatch_float_dtype(x.dtype, [&](auto* tag) -> cudaError_t {
+        return launch_rows<std::remove_pointer_t<decltype(tag)>>(pair, sx.read, stream);
+      });
+    }
+  }
+  const cudaError_t err = launch_channel_stats(x.a, x.dtype, x.rows_kernel, x.nsplit, x.ws, x.counters, x.out, stream);
+  if (err != cudaSuccess) return err;
+  return launch_channel_stats(y.a, y.dtype, y.rows_kernel, y.nsplit, y.ws, y.counters, y.out, stream);
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
