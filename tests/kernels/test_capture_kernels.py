@@ -557,36 +557,43 @@ def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
     close(s, s_want, STAT_RTOL)
 
 
-#: a linear layer's (rows, in, out, input dtype, gradient dtype): both read by the rows
-#: kernel, in one launch where dtype and read mode agree (16-byte loads on the grid, or
-#: realigned for 2-byte rows off it), else one launch each; with and without splits
-PAIRED_LINEARS = {
-    "bf16_aligned_small": (64, 768, 2304, torch.bfloat16, torch.bfloat16),
-    "bf16_aligned_split": (8192, 768, 768, torch.bfloat16, torch.bfloat16),
-    "bf16_both_shifted": (512, 1001, 777, torch.bfloat16, torch.bfloat16),
-    "bf16_reads_apart": (512, 64, 1001, torch.bfloat16, torch.bfloat16),
-    "fp16_narrow_in_wide_out": (4096, 8, 3000, torch.float16, torch.float16),
-    "fp32": (1000, 96, 40, torch.float32, torch.float32),
-    "dtypes_apart": (300, 64, 128, torch.float32, torch.bfloat16),
+#: layers whose two reductions the rows kernel reads (module, input shape, input dtype,
+#: gradient dtype, layout): in one launch where dtype and read mode agree (16-byte loads on
+#: the grid, or realigned for 2-byte rows off it), else one launch each; with and without
+#: splits.  A pointwise convolution's input statistics are per-channel sums too.
+PAIRED_LAYERS = {
+    "bf16_aligned_small": (lambda: nn.Linear(768, 2304), (64, 768), torch.bfloat16, torch.bfloat16, "contiguous"),
+    "bf16_aligned_split": (lambda: nn.Linear(768, 768), (8192, 768), torch.bfloat16, torch.bfloat16, "contiguous"),
+    "bf16_both_shifted": (lambda: nn.Linear(1001, 777), (512, 1001), torch.bfloat16, torch.bfloat16, "contiguous"),
+    "bf16_reads_apart": (lambda: nn.Linear(64, 1001), (512, 64), torch.bfloat16, torch.bfloat16, "contiguous"),
+    "fp16_narrow_in_wide_out": (lambda: nn.Linear(8, 3000), (4096, 8), torch.float16, torch.float16, "contiguous"),
+    "fp32": (lambda: nn.Linear(96, 40), (1000, 96), torch.float32, torch.float32, "contiguous"),
+    "dtypes_apart": (lambda: nn.Linear(64, 128), (300, 64), torch.float32, torch.bfloat16, "contiguous"),
+    "pointwise_conv_channels_last": (lambda: nn.Conv2d(256, 64, 1), (8, 256, 14, 14), torch.bfloat16, torch.bfloat16,
+                                     "channels_last"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(PAIRED_LINEARS))
-def test_a_linear_layers_two_reductions_equal_the_separate_ops(ext, impl, name):
-    """``layer_stats`` of a linear layer reads the input and the output gradient in one
-    launch of the rows kernel where it can: bit for bit the two ``channel_stats`` launches
-    (the same blocks, splits and order), and the float64 torch rules."""
-    rows, n_in, n_out, x_dtype, g_dtype = PAIRED_LINEARS[name]
+@pytest.mark.parametrize("name", sorted(PAIRED_LAYERS))
+def test_a_layers_two_channel_reductions_equal_the_separate_ops(ext, impl, name):
+    """``layer_stats`` of a linear layer or a pointwise convolution reads the input and the
+    output gradient in one launch of the rows kernel where it can: bit for bit the two
+    ``channel_stats`` launches (the same blocks, splits and order), and the float64 rules."""
+    make, shape, x_dtype, g_dtype, layout = PAIRED_LAYERS[name]
     torch.manual_seed(0)
-    lin = nn.Linear(n_in, n_out).to(DEV)
-    x, g = randn((rows, n_in), x_dtype), randn((rows, n_out), g_dtype)
-    fused = rule_for(lin).fused_stats(lin, x.shape, g.shape)
+    module = make().to(DEV)
+    x = randn(shape, x_dtype, layout)
+    with torch.no_grad():
+        out_shape = module(x.float()).shape
+    g = randn(out_shape, g_dtype, layout)
+    fused = rule_for(module).fused_stats(module, x.shape, g.shape)
+    assert fused is not None and fused.input_op[0] == 0  # a per-channel input reduction
     h, s = fused.run(ext, x, g, False)
     _, dim, square = fused.input_op
     assert torch.equal(h, ext.channel_stats(x, dim, bool(square), fused.input_div, False))
     assert torch.equal(s, ext.channel_stats(g, fused.grad_dim, fused.grad_square, fused.grad_div, False))
-    close(h, torch_rule(impl, lin, x, "in")[0], STAT_RTOL)
-    close(s, torch_rule(impl, lin, g, "out")[0], STAT_RTOL)
+    close(h, torch_rule(impl, module, x, "in")[0], STAT_RTOL)
+    close(s, torch_rule(impl, module, g, "out")[0], STAT_RTOL)
 
 
 def test_layer_stats_when_the_gradient_grows_the_counter_pool(ext, impl):
