@@ -413,8 +413,21 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   at::Tensor h = out.narrow(0, 0, nh), s = out.narrow(0, off_s, pg.n_out);
   float* const s_ws = w ? w + aligned(wh) : nullptr;
   if (!conv && !h_zeros && !pg.zeros) {  // a linear layer's two reductions: one launch where one kernel reads both
-    check_launch(launch_channel_stats_pair(channel_launch(px, o, w), channel_launch(pg, o + off_s, s_ws), stream),
-                 kLayer);
+    // In one launch both items' last-block counters are live together, so they take
+    // disjoint slots: the input's the first n_out (a tile per channel at most), the
+    // gradient's the next (two launches one after the other could share them).
+    ChannelLaunch lx = channel_launch(px, o, w), lg = channel_launch(pg, o + off_s, s_ws);
+    if (lx.counters != nullptr && lg.counters != nullptr) {
+      unsigned* slots = counter_slots(px.t, px.n_out + pg.n_out);
+      if (slots == nullptr) {  // (a stream being captured, the pool too small to grow): one launch each
+        launch(px, o, w, stream);
+        launch(pg, o + off_s, s_ws, stream);
+        return {h, s};
+      }
+      lx.counters = slots;
+      lg.counters = slots + px.n_out;
+    }
+    check_launch(launch_channel_stats_pair(lx, lg, stream), kLayer);
     return {h, s};
   }
   if (h_zeros) {
