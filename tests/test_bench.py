@@ -67,7 +67,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert {"description", "optimizer", "baseline", "backend", "memory", "sync", "optimizer_step", "state",
                 "pipelined", "warnings", "goals"} <= set(wl), name
         assert wl["optimizer"] == ("AdaFisherW" if name == "gpt" else "AdaFisher")
-        assert {"tcov100", "tcov10", "tcov1", "adam_ms"} <= set(wl["pipelined"])
+        assert {"tcov100", "tcov10", "tcov1", "tcov1_side_stream", "adam_ms"} <= set(wl["pipelined"])
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
                 "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_uses_taps",
                 "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio"} <= set(wl["sync"])
@@ -86,7 +86,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 10 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 11 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
@@ -95,16 +95,22 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 10 figures, then the callback's 3
-    assert last[-44].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-43:-3])
+    # the goals table prints last: 4 workloads x 11 figures, then the callback's 3
+    assert last[-48].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-47:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
 def test_matrix_only_and_only_select_workloads(tmp_path, capsys):
+    from lightning_cafin.capture import streams
+
+    before = streams.enabled()
     assert bench.main(["--quick", "--matrix-only", "--only", "gpt", "--out", str(tmp_path)]) == 0
+    assert streams.enabled() == before  # the side-stream variants put the process setting back
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["results"] == [] and list(record["matrix"]["workloads"]) == ["gpt"] and "callback" not in record
+    side = record["matrix"]["workloads"]["gpt"]["pipelined"]["tcov1_side_stream"]
+    assert side["ms"]["median"] > 0 and side["vs_current_stream_ratio"] > 0
     assert "step_ms" not in capsys.readouterr().out  # no optimizer-step table
     with pytest.raises(SystemExit, match="--only: unknown workload"):
         bench.main(["--quick", "--only", "resnet99", "--out", str(tmp_path)])
@@ -112,7 +118,8 @@ def test_matrix_only_and_only_select_workloads(tmp_path, capsys):
 
 def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=1.0, step=0.5):
     med = lambda v: {"median": v, "p10": v, "p90": v, "n": 1}
-    return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0}},
+    return {"pipelined": {"tcov100": {"ratio": pipelined}, "tcov10": {"ratio": pipelined}, "tcov1": {"ratio": 2.0},
+                          "tcov1_side_stream": {"vs_current_stream_ratio": 1.04}},
             "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
                      "capture_vs_normal_ratio": med(capture_ratio), "side_vs_current_stream_ratio": med(1.03),
                      "python_hooks_vs_capture_ratio": med(1.1)},
@@ -126,6 +133,7 @@ def test_goals_are_judged_against_the_issue_limits():
     good = verdict("resnet18")
     assert good["pipelined TCov=1 vs Adam"] is None and good["optimizer state vs Adam"] is None
     assert good["sync capture step, statistics on a side stream vs the current stream"] is None  # a figure, no goal
+    assert good["pipelined TCov=1, statistics on a side stream vs the current stream"] is None
     assert good["sync capture step, Python hooks vs C++ gradient taps (the default)"] is None
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False

@@ -9,7 +9,9 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   it.  ``ratio`` is AdaFisher's total time over Adam's (captures counted at their
   frequency: ``blocks * block`` is a multiple of 100 by default), ``ratio_ci90`` its 90%
   interval (a bootstrap over the paired blocks); ``block_ratio`` the spread of the paired
-  per-block ratios.
+  per-block ratios.  TCov = 1 is also run with its statistics on a side stream
+  (``tcov1_side_stream``: ``vs_current_stream_ratio`` over the default's TCov = 1 blocks),
+  the pipelined check of the side stream's default (off).
 * ``sync``: one train step at a time with a synchronisation after each (what a loop that
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
   step, interleaved; medians, p10/p90 and the median's 90% interval (``ci90``) of the
@@ -42,13 +44,14 @@ the verdict says which misses the measurement can tell apart from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -61,6 +64,8 @@ from .timing import elapsed_ms, ratio_of_sums_interval, run_peak, spread, spread
 from .workloads import Workload
 
 TCOVS = (100, 10, 1)
+#: the pipelined blocks at TCov = 1 with the statistics on the side stream
+SIDE_BLOCKS = "tcov1_side_stream"
 #: AdaFisher's schedule in the sync / memory / step measurements: only forced steps capture
 NEVER = 10**9
 
@@ -206,17 +211,24 @@ def measure_memory(wl: Workload, device: torch.device, batch, cfg: MatrixConfig)
     return out
 
 
-def capture_step_on_side_stream(t: Trainer) -> None:
-    """A capture step with the statistics on the side stream (``capture_stream=True``, the
-    alternative to the default); the optimizer's options and the process-wide stream setting
-    are restored after it."""
+@contextlib.contextmanager
+def statistics_on_side_stream(t: Trainer) -> Iterator[None]:
+    """Inside: ``t``'s optimizer puts its statistics on the side stream (``capture_stream=True``,
+    the alternative to the default); its options and the process-wide stream setting (which
+    an explicit option changes for every optimizer) are restored on the way out."""
     options, previous = t.opt.capture_options, capture_streams.enabled()
     t.opt.capture_options = CaptureOptions.checked(None, True)
     try:
-        t.capture_step()
+        yield
     finally:
         t.opt.capture_options = options
         capture_streams.set_enabled(previous)
+
+
+def capture_step_on_side_stream(t: Trainer) -> None:
+    """A capture step with the statistics on the side stream (:func:`statistics_on_side_stream`)."""
+    with statistics_on_side_stream(t):
+        t.capture_step()
 
 
 def capture_step_with_python_hooks(t: Trainer) -> None:
@@ -312,13 +324,23 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
     """Back-to-back train steps in alternating blocks: AdaFisher at each TCov and Adam."""
     trainers = {"adam": adam(wl, device, batch)}
     trainers.update({f"tcov{c}": adafisher(wl, device, batch, c) for c in TCOVS})
-    for t in trainers.values():
-        t.steps(cfg.warmup)
+    trainers[SIDE_BLOCKS] = adafisher(wl, device, batch, 1)
 
     def block(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.steps, cfg.block), device) / cfg.block
 
-    times = _interleaved({k: functools.partial(block, t) for k, t in trainers.items()}, cfg.blocks)
+    def side_block(t: Trainer) -> float:
+        with statistics_on_side_stream(t):
+            return block(t)
+
+    for k, t in trainers.items():
+        if k == SIDE_BLOCKS:
+            with statistics_on_side_stream(t):
+                t.steps(cfg.warmup)
+        else:
+            t.steps(cfg.warmup)
+    times = _interleaved({k: functools.partial(side_block if k == SIDE_BLOCKS else block, t)
+                          for k, t in trainers.items()}, cfg.blocks)
     out: dict[str, Any] = {"adam_ms": spread(times["adam"])}
     for c in TCOVS:
         k = f"tcov{c}"
@@ -326,6 +348,10 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
         out[k] = {"ms": spread(times[k]), "ratio": sum(times[k]) / sum(times["adam"]),
                   "ratio_ci90": None if ci is None else list(ci),
                   "block_ratio": _paired(times[k], times["adam"], _ratio)}
+    ci = ratio_of_sums_interval(times[SIDE_BLOCKS], times["tcov1"])
+    out[SIDE_BLOCKS] = {"ms": spread(times[SIDE_BLOCKS]),
+                        "vs_current_stream_ratio": sum(times[SIDE_BLOCKS]) / sum(times["tcov1"]),
+                        "ratio_ci90": None if ci is None else list(ci)}
     del trainers
     _free(device)
     return out
@@ -401,6 +427,8 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
         ("pipelined TCov=100 vs Adam", piped(100), "x", 1.02),
         ("pipelined TCov=10 vs Adam", piped(10), "x", 1.05),
         ("pipelined TCov=1 vs Adam", piped(1), "x", None),
+        ("pipelined TCov=1, statistics on a side stream vs the current stream",
+         (p[SIDE_BLOCKS]["vs_current_stream_ratio"], p[SIDE_BLOCKS].get("ratio_ci90")), "x", None),
         ("sync normal step vs Adam", med(s["normal_vs_adam_ratio"]), "x", 1.03)]
     if wl.capture_goal == "ms":
         rows.append(("sync capture step above normal", med(s["capture_above_normal_ms"]), "ms", 1.0))
@@ -454,7 +482,8 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
         p, s, o, m = r["pipelined"], r["sync"], r["optimizer_step"], r["memory"]
         lines.append(f"{name}: {r['description']} ({r['optimizer']} [{r['backend']}] vs {r['baseline']})")
         lines.append(f"  pipelined ms/step: Adam {ms(p['adam_ms'])}; " +
-                     "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS))
+                     "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS) +
+                     f"; TCov=1 on a side stream {ms(p[SIDE_BLOCKS]['ms'])}")
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
                      f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")
