@@ -168,7 +168,7 @@ layer's last tap in C++ where every condition the Python hook checks holds (capt
 and otherwise calls ``fallback`` (the Python hook) with the same arguments.  ``module``: the
 module it is registered on (held weakly); ``epoch_holder.value``: the settings epoch an open
 gate must match; ``saved_hooks_top``: torch's reader of the innermost saved-tensor hooks, or
-None where torch has none.)doc")
+None where torch has none (then no check; else ATen is asked what the reader would return).)doc")
       .def(py::init<py::object, py::handle, py::object, py::object>(), py::arg("fallback"), py::arg("module"),
            py::arg("epoch_holder"), py::arg("saved_hooks_top"))
       .def("__call__", &lightning_cafin::ForwardTapHook::call, py::arg("module"), py::arg("args"),

@@ -13,7 +13,8 @@
 // - per call, here: the hook's own module (a deep copy shares the hook), a training forward
 //   with grad on, args[0] and the output tensors, the output requiring grad, the recorded
 //   shapes and dtypes, the recorded weight still the module's `weight` and trained, no
-//   saved-tensor hook active (`saved_hooks_top`, torch's reader of the innermost one),
+//   saved-tensor hook active (where `saved_hooks_top`, torch's reader of the innermost one,
+//   is not None: ATen's answer to what that reader returns, asked without calling it),
 //   compiled autograd not enabled, the capture still alive;
 // - per step, by the owner's gate (tap_gate.py): open (`gate.epoch`) only at the settings
 //   epoch of the general-path forward that opened it (`epoch_holder.value`), which every
