@@ -13,7 +13,13 @@ ResNet-50 and the GPT, and 3.5% slower on the host-bound bf16 + channels_last Re
 (1.7% faster there at 3055b31, with the forward's repeated taps in C++);
 in a run at 37a093b its pipelined ResNet-50 capture steps were slower (+10.3 ms above a
 normal step against +6.2) and its GPT ones faster (+2.1 against +2.8), peak memory equal.
-A model whose backward leaves the host idle for long GPU kernels may gain from it
+At c34d043 (synchronised steps and blocks of five back-to-back capture steps,
+interleaved, 20 rounds; ms above a normal step, current stream / side stream): ResNet-18
+fp32 1.67 / 1.80 synchronised and 1.24 / 1.48 pipelined, bf16 + channels_last 2.34 / 2.58
+and 2.55 / 3.09, ResNet-50 4.92 / 3.45 and 3.67 / 4.65, the GPT 3.17 / 2.58 and 2.03 /
+1.53, peak memory equal: only the GPT gained both ways, so the default stays off.  The
+bench matrix times both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model
+whose backward leaves the host idle for long GPU kernels may gain from it
 (``capture_stream=True``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
