@@ -528,6 +528,16 @@ FUSED_LAYERS = {
 }
 
 
+def layer_and_tensors(make, shape, x_dtype, g_dtype, layout):
+    """A seeded layer on the GPU, a random input and a random output gradient of its output's shape."""
+    torch.manual_seed(0)
+    module = make().to(DEV)
+    x = randn(shape, x_dtype, layout)
+    with torch.no_grad():
+        out_shape = module(x.float()).shape
+    return module, x, randn(out_shape, g_dtype, layout)
+
+
 @pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(FUSED_LAYERS))
@@ -537,12 +547,7 @@ def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
     from lightning_cafin.capture import streams
 
     make, shape, layout = FUSED_LAYERS[name]
-    torch.manual_seed(0)
-    module = make().to(DEV)
-    x = randn(shape, dtype, layout)
-    with torch.no_grad():
-        out_shape = module(x.float()).shape
-    grad = randn(out_shape, dtype, layout)
+    module, x, grad = layer_and_tensors(make, shape, dtype, dtype, layout)
     fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
     assert fused is not None
     h, s = fused.run(ext, x, grad, side)
@@ -579,13 +584,7 @@ def test_a_layers_two_channel_reductions_equal_the_separate_ops(ext, impl, name)
     """``layer_stats`` of a linear layer or a pointwise convolution reads the input and the
     output gradient in one launch of the rows kernel where it can: bit for bit the two
     ``channel_stats`` launches (the same blocks, splits and order), and the float64 rules."""
-    make, shape, x_dtype, g_dtype, layout = PAIRED_LAYERS[name]
-    torch.manual_seed(0)
-    module = make().to(DEV)
-    x = randn(shape, x_dtype, layout)
-    with torch.no_grad():
-        out_shape = module(x.float()).shape
-    g = randn(out_shape, g_dtype, layout)
+    module, x, g = layer_and_tensors(*PAIRED_LAYERS[name])
     fused = rule_for(module).fused_stats(module, x.shape, g.shape)
     assert fused is not None and fused.input_op[0] == 0  # a per-channel input reduction
     h, s = fused.run(ext, x, g, False)
