@@ -334,10 +334,7 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
             return block(t)
 
     for k, t in trainers.items():
-        if k == SIDE_BLOCKS:
-            with statistics_on_side_stream(t):
-                t.steps(cfg.warmup)
-        else:
+        with statistics_on_side_stream(t) if k == SIDE_BLOCKS else contextlib.nullcontext():
             t.steps(cfg.warmup)
     times = _interleaved({k: functools.partial(side_block if k == SIDE_BLOCKS else block, t)
                           for k, t in trainers.items()}, cfg.blocks)
