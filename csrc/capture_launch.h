@@ -132,11 +132,8 @@ struct RowsPair {
   int first_blocks;
 };
 
-cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel,
-                                 int nsplit, float* ws, unsigned* counters, float* out,
-                                 cudaStream_t stream);
-
-// One channel-statistics reduction as its op planned it (launch_channel_stats' arguments).
+// One channel-statistics reduction as its op planned it: the kernel (rows or middle), its
+// split, workspace (nsplit > 1) and counter slots, and where the sums go.
 struct ChannelLaunch {
   ChannelArgs a;
   at::ScalarType dtype;
@@ -146,6 +143,8 @@ struct ChannelLaunch {
   unsigned* counters;
   float* out;
 };
+
+cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream);
 
 // Two reductions (a layer's input and its output's gradient): one launch of the rows
 // kernel where both are read by it in the same dtype and read mode, else one launch each.

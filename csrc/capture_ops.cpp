@@ -305,8 +305,7 @@ ChannelLaunch channel_launch(const ChannelPlan& p, float* out, float* ws) {
 }
 
 void launch(const ChannelPlan& p, float* out, float* ws, cudaStream_t stream) {
-  const ChannelLaunch l = channel_launch(p, out, ws);
-  check_launch(launch_channel_stats(l.a, l.dtype, l.rows_kernel, l.nsplit, l.ws, l.counters, l.out, stream), kChan);
+  check_launch(launch_channel_stats(channel_launch(p, out, ws), stream), kChan);
 }
 
 // Parts of one float buffer start at multiples of 64 floats (256 bytes: the kernels'
@@ -416,19 +415,19 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
     // In one launch both items' last-block counters are live together, so they take
     // disjoint slots: the input's the first n_out (a tile per channel at most), the
     // gradient's the next (two launches one after the other could share them).
+    // Where no such slots can be had (a stream being captured, its pool too small to grow),
+    // one launch each, below, as for any other layer.
     ChannelLaunch lx = channel_launch(px, o, w), lg = channel_launch(pg, o + off_s, s_ws);
-    if (lx.counters != nullptr && lg.counters != nullptr) {
-      unsigned* slots = counter_slots(px.t, px.n_out + pg.n_out);
-      if (slots == nullptr) {  // (a stream being captured, the pool too small to grow): one launch each
-        launch(px, o, w, stream);
-        launch(pg, o + off_s, s_ws, stream);
-        return {h, s};
+    const bool both_split = lx.counters != nullptr && lg.counters != nullptr;
+    unsigned* const slots = both_split ? counter_slots(px.t, px.n_out + pg.n_out) : nullptr;
+    if (!both_split || slots != nullptr) {
+      if (both_split) {
+        lx.counters = slots;
+        lg.counters = slots + px.n_out;
       }
-      lx.counters = slots;
-      lg.counters = slots + px.n_out;
+      check_launch(launch_channel_stats_pair(lx, lg, stream), kLayer);
+      return {h, s};
     }
-    check_launch(launch_channel_stats_pair(lx, lg, stream), kLayer);
-    return {h, s};
   }
   if (h_zeros) {
     h.zero_();

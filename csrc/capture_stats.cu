@@ -982,13 +982,17 @@ cudaError_t launch_rows(const RowsPair& pair, RowsRead read, cudaStream_t stream
 
 }  // namespace
 
-cudaError_t launch_channel_stats(const ChannelArgs& a, at::ScalarType dtype, bool rows_kernel, int nsplit,
-                                 float* ws, unsigned* counters, float* out, cudaStream_t stream) {
-  return dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
+cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream) {
+  const ChannelArgs& a = l.a;
+  const int nsplit = l.nsplit;
+  float* const ws = l.ws;
+  unsigned* const counters = l.counters;
+  float* const out = l.out;
+  return dispatch_float_dtype(l.dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* t = static_cast<const T*>(a.t);
-    if (rows_kernel) {
+    if (l.rows_kernel) {
       const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(sizeof(T)));
       if (!fits_launch(shape.tiles * nsplit)) return cudaErrorInvalidConfiguration;
       RowsPair pair{};
@@ -1021,9 +1025,9 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
       });
     }
   }
-  const cudaError_t err = launch_channel_stats(x.a, x.dtype, x.rows_kernel, x.nsplit, x.ws, x.counters, x.out, stream);
+  const cudaError_t err = launch_channel_stats(x, stream);
   if (err != cudaSuccess) return err;
-  return launch_channel_stats(y.a, y.dtype, y.rows_kernel, y.nsplit, y.ws, y.counters, y.out, stream);
+  return launch_channel_stats(y, stream);
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
