@@ -611,6 +611,32 @@ def test_layer_stats_when_the_gradient_grows_the_counter_pool(ext, impl):
     close(s, torch_rule(impl, lin, g, "out")[0], STAT_RTOL)
 
 
+def test_layer_stats_captured_into_a_cuda_graph(ext, impl):
+    """Captured into a CUDA graph, a stream's counter pool cannot grow (its zero fill would
+    run only at replay): here a linear layer's two reductions each fit the pool made before
+    the capture, but not both at once, so ``layer_stats`` launches them one each.  Every
+    replay sums the inputs as they are then: the float64 rules, twice, with new values."""
+    torch.manual_seed(0)
+    lin = nn.Linear(2500, 2500).to(DEV)
+    x, g = randn((8192, 2500), torch.bfloat16), randn((8192, 2500), torch.bfloat16)
+    fused = rule_for(lin).fused_stats(lin, x.shape, g.shape)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the stream's pool, made at its smallest (4096 slots)
+        ext.channel_stats(randn((8192, 64)), -1, True, 0.0, False)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        h, s = fused.run(ext, x, g, False)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        close(h, torch_rule(impl, lin, x, "in")[0], STAT_RTOL)
+        close(s, torch_rule(impl, lin, g, "out")[0], STAT_RTOL)
+        x.copy_(torch.randn_like(x))
+        g.copy_(torch.randn_like(g))
+
+
 def test_layer_stats_on_an_empty_batch_gives_zeros(ext):
     op = (1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 5, 5)
     h, s = ext.layer_stats(randn((0, 4, 5, 5)), randn((0, 6, 5, 5)), op, 0.0, 1, True, 0.0)
