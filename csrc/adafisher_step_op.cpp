@@ -4,6 +4,7 @@
 // RuntimeError on every toolchain.
 #include "adafisher_step.h"
 #include "checks.h"
+#include "record_op.h"
 #include "step_launch.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -37,6 +38,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& lr_tensor) {
+  LIGHTNING_CAFIN_RECORD_OP("adafisher_step_");
   const int64_t n = static_cast<int64_t>(params.size());
   check_list_size(grads.size(), n, kOp, "grads", "params");
   check_list_size(exp_avgs.size(), n, kOp, "exp_avgs", "params");

@@ -1,5 +1,6 @@
 // The forward hook repeating a layer's last tap (capture_hook.h).
 #include "capture_hook.h"
+#include "record_op.h"
 
 #include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -92,6 +93,7 @@ void ForwardTapHook::repeat(py::handle capture, py::object gate, const at::Tenso
 }
 
 py::object ForwardTapHook::call(py::handle module, py::handle args, py::handle kwargs, py::handle output) {
+  LIGHTNING_CAFIN_RECORD_OP("ForwardTapHook");
   if (repeat_ && tapped(*repeat_, module.ptr(), args.ptr(), output.ptr())) return py::none();
   const py::object hook = fallback();
   if (hook.is_none()) return py::none();  // its owner is gone: nothing is bound to this module

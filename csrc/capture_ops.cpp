@@ -5,6 +5,7 @@
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "checks.h"
+#include "record_op.h"
 #include "side_stream.h"
 
 #include <c10/core/GradMode.h>
@@ -340,6 +341,7 @@ bool is_conv_op(const std::vector<int64_t>& input_op, const char* op) {
 at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
                             std::vector<int64_t> out_hw, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("conv_input_stats");
   check_input(x_in, kConv, "x");
   const c10::cuda::CUDAGuard guard(x_in.device());
   const SideScope scope(x_in, side);  // from here on, the current stream is the side stream
@@ -349,6 +351,7 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
 }
 
 at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, double divisor, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("channel_stats");
   check_input(t_in, kChan, "t");
   const c10::cuda::CUDAGuard guard(t_in.device());
   const SideScope scope(t_in, side);  // see conv_input_stats
@@ -358,6 +361,7 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
 }
 
 at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div) {
+  LIGHTNING_CAFIN_RECORD_OP("input_stats");
   if (x.defined() && x.device().is_cpu()) return input_stats_reference(x, input_op, input_div);
   check_input(x, kInput, "x");
   const bool conv = is_conv_op(input_op, kInput);
@@ -374,6 +378,7 @@ at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
                                                const std::vector<int64_t>& input_op, double input_div,
                                                int64_t grad_dim, bool grad_square, double grad_div, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("layer_stats");
   if (x.defined() && x.device().is_cpu() && grad.defined() && grad.device().is_cpu())
     return layer_stats_reference(x, grad, input_op, input_div, grad_dim, grad_square, grad_div);
   check_input(x, kLayer, "x");
@@ -450,6 +455,7 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                           const std::vector<double>& h_div, const std::vector<double>& s_div,
                           const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
                           double c_new) {
+  LIGHTNING_CAFIN_RECORD_OP("factor_update_");
   const int64_t L = static_cast<int64_t>(h.size());
   for (int64_t n : {static_cast<int64_t>(s.size()), static_cast<int64_t>(H.size()), static_cast<int64_t>(S.size()),
                     static_cast<int64_t>(kinds.size()), static_cast<int64_t>(flags.size()),
@@ -506,6 +512,7 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
 
 std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const at::Tensor& bias_grad_in,
                                               double mean_scale) {
+  LIGHTNING_CAFIN_RECORD_OP("norm_stats");
   if (means_in.defined() && bias_grad_in.defined() &&
       (means_in.device().is_cpu() || !is_kernel_float(means_in.scalar_type()) ||
        !is_kernel_float(bias_grad_in.scalar_type())))

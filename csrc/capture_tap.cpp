@@ -3,6 +3,7 @@
 
 #include "capture_ops.h"
 #include "checks.h"
+#include "record_op.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -163,6 +164,7 @@ std::shared_ptr<TakenSums> take_single(
 }
 
 std::shared_ptr<TakenSums> take_single(const SinkSet& set) {
+  LIGHTNING_CAFIN_RECORD_OP("take_single");
   const size_t L = set.sinks.size();
   auto fits = [](const at::Tensor& t, int64_t n, const c10::Device& place) {
     return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
@@ -207,6 +209,7 @@ TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_,
 }
 
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("tap");
   check_tap_args(plan, output, kTap);
   TORCH_CHECK(x.defined(), kTap, "x must be a tensor");
   if (plan->mean_scale > 0.0 && tap_norm(plan, output)) return;
@@ -225,12 +228,14 @@ void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const 
 
 void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
                   bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("tap_gradient");
   check_tap_args(plan, output, kGradTap);
   TORCH_CHECK(h.defined(), kGradTap, "h must be a tensor");
   register_gradient_tap(plan, output, h, hn, side);
 }
 
 void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("tap_read");
   check_tap_args(plan, output, kReadTap);
   TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
   register_gradient_tap(plan, output, input_stats(x, plan->input_op, plan->input_div), plan->hn, side);

@@ -239,3 +239,37 @@ def test_the_cpp_hook_lets_a_dropped_model_go_and_a_deep_copy_adds_nothing(kerne
     del model, opt, copied
     gc.collect()
     assert weight() is None
+
+
+def test_a_profiled_capture_step_records_the_extensions_host_calls(kernels_on_cpu):  # noqa: F811
+    """Under ``torch.profiler`` the extension's host calls are recorded operations named
+    ``lightning_cafin::<op>`` (``csrc/record_op.h``), with the torch operations they run
+    inside them: at a capture step every layer's forward calls its C++ forward hook, which
+    taps the layer (the first layer's through the Python hook, which opens the step's gate);
+    in the backward each tap computes its layer's statistics, a norm's from the means its
+    op saved; the step takes every layer's sums at once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = Tapped()
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+    x, y = torch.randn(4, 3, 5, 5), torch.randint(0, 5, (4,))
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("lightning_cafin::")}
+    layers = len(opt.binding.captures)  # conv, bn, ln, extra, fc
+    assert calls == {"lightning_cafin::ForwardTapHook": layers, "lightning_cafin::tap": layers,
+                     "lightning_cafin::layer_stats": 3, "lightning_cafin::norm_stats": 2,
+                     "lightning_cafin::take_single": 1}, calls
+    # the torch operations inside a tap: the input held to the backward (detached) by the
+    # conv's and the linears' taps; none by the norms', which keep the means their op saved
+    holding = [e for e in prof.events() if e.name == "lightning_cafin::tap"
+               and any(child.name == "aten::detach" for child in e.cpu_children)]
+    assert len(holding) == 3
