@@ -23,6 +23,10 @@ forced with ``capture_next_step``), it
   where the device arrives just after the host it was waiting for the host, so the host's
   extra work up to that mark is on the step's critical path; where it arrives well after,
   the host ran ahead (``--reps`` interleaved rounds, medians);
+* lists the host operations of a forward (``torch.profiler``, host only) whose time per
+  step a capture step changes most, the package's own C++ calls among them
+  (``lightning_cafin::tap``, ``lightning_cafin::ForwardTapHook``, ...), and the forward's
+  host time outside every recorded operation (``--reps`` forwards of each kind, interleaved);
 * profiles the host (``cProfile``) in a capture step's forward (with the loss) and in its
   ``optimizer.step()``, each from a synchronised device, and prints the functions that
   take the most of it (the bench's ``host`` says how much each phase adds per layer).
@@ -44,6 +48,7 @@ import io
 import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -134,8 +139,15 @@ def report(name: str, description: str, layers: int, device: torch.device, timin
         f"the {top} largest changes per step (capture - normal), then each side's calls per step:",
         f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
     ]
-    names = set(n) | set(c)
-    rows = sorted(names, key=lambda k: -abs(c.get(k, [0, 0])[1] - n.get(k, [0, 0])[1]))[:top]
+    return lines + change_rows(n, c, top)
+
+
+def change_rows(normal: dict[str, list[float]], capture: dict[str, list[float]], top: int) -> list[str]:
+    """The ``top`` names whose milliseconds per step a capture step changes most ({name:
+    [calls, ms]} per step, each side), largest change first: change, each side's ms and calls."""
+    n, c = normal, capture
+    rows = sorted(set(n) | set(c), key=lambda k: -abs(c.get(k, [0, 0])[1] - n.get(k, [0, 0])[1]))[:top]
+    lines = []
     for k in rows:
         cc, cm = c.get(k, [0.0, 0.0])
         nc, nm = n.get(k, [0.0, 0.0])
@@ -200,25 +212,69 @@ def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list
     return lines
 
 
+def step_with(trainer: Trainer, capture: bool, around_forward: contextlib.AbstractContextManager,
+              around_step: Optional[contextlib.AbstractContextManager] = None) -> float:
+    """One train step, ``around_forward`` entered around its forward (with the loss) and
+    ``around_step`` around ``optimizer.step()``, each from a synchronised device; returns the
+    forward's host seconds, timed inside the context (its entry and exit left out)."""
+    dev = trainer.device
+    if capture:
+        trainer.opt.capture_next_step()
+    trainer.opt.zero_grad()
+    sync(dev)
+    with around_forward:
+        start = time.perf_counter()
+        loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
+        seconds = time.perf_counter() - start
+    loss.backward()
+    sync(dev)
+    with around_step if around_step is not None else contextlib.nullcontext():
+        trainer.opt.step()
+    sync(dev)
+    return seconds
+
+
+def forward_host_operations(trainer: Trainer, steps: int, top: int) -> list[str]:
+    """The host operations of a train step's forward (with the loss) that a capture step
+    changes most, under ``torch.profiler`` (host activity only): each operation's own host
+    time and calls per step, over ``steps`` normal and as many capture forwards, interleaved,
+    each from a synchronised device; and the forward's host time outside every recorded
+    operation (Python, hook code that records nothing).  The package's C++ calls are
+    recorded as ``lightning_cafin::<op>`` (``csrc/record_op.h``): a C++ tap's own host time
+    is a row of its own, apart from the torch operations it runs.  The profiler adds its own
+    cost to every recorded operation, so the calls are exact and the times a relative picture."""
+    per_step: dict[str, dict[str, list[float]]] = {"normal": {}, "capture": {}}
+    outside: dict[str, list[float]] = {"normal": [], "capture": []}
+    for _ in range(steps):
+        for kind, ops in per_step.items():
+            if kind == "normal" and trainer.opt.capture_due:
+                trainer.step()  # the schedule's own capture step, unprofiled: the next is a normal one
+            prof = profile(activities=[ProfilerActivity.CPU])
+            seconds = step_with(trainer, kind == "capture", prof)
+            recorded_us = 0.0
+            for evt in prof.key_averages():
+                row = ops.setdefault(evt.key, [0.0, 0.0])
+                row[0] += evt.count / steps
+                row[1] += evt.self_cpu_time_total / 1e3 / steps
+                recorded_us += evt.self_cpu_time_total
+            outside[kind].append(seconds * 1e6 - recorded_us)
+    n_out, c_out = (statistics.median(outside[k]) for k in ("normal", "capture"))
+    return ["", f"host, a forward's operations (with the loss), per step over {steps} normal and {steps} capture forwards, "
+                f"interleaved (torch.profiler, host only; its own cost is in every operation's time):",
+            f"  outside every recorded operation (Python, hooks' own code), median: normal {n_out / 1e3:.3f} ms, "
+            f"capture {c_out / 1e3:.3f} ms ({(c_out - n_out) / 1e3:+.3f})",
+            f"the {top} largest changes per step (capture - normal), then each side's calls per step:",
+            f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
+            *change_rows(per_step["normal"], per_step["capture"], top)]
+
+
 def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
     """The functions taking the most host time in ``steps`` capture steps' forwards and
     optimizer steps (each phase profiled from a synchronised device, the other not)."""
     phases = {"forward (with the loss)": cProfile.Profile(), "optimizer.step()": cProfile.Profile()}
     forward, step = phases.values()
-    dev = trainer.device
     for _ in range(steps):
-        trainer.opt.capture_next_step()
-        trainer.opt.zero_grad()
-        sync(dev)
-        forward.enable()
-        loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
-        forward.disable()
-        loss.backward()
-        sync(dev)
-        step.enable()
-        trainer.opt.step()
-        step.disable()
-        sync(dev)
+        step_with(trainer, True, forward, step)
     lines = []
     for name, prof in phases.items():
         out = io.StringIO()
@@ -257,6 +313,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
     lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
     lines += host_forward_per_layer(trainer, layers, reps)
     lines += phase_ends_report(trainer, device, reps)
+    lines += forward_host_operations(trainer, reps, min(top, 15))
     lines += host_profile(trainer, steps, min(top, 15))
     del trainer
     gc.collect()

@@ -46,6 +46,15 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     assert [kind for kind, *_ in ends] == ["normal", "capture"], text
     for _, *marks in ends:
         assert 0 < float(marks[0]) <= float(marks[1]) <= float(marks[2])  # forward, backward, step, in order
+    # then the forward's host operations a capture step changes most, and its time outside them
+    ops = text.split("host, a forward's operations", 1)[1].split("host, a capture step's forward", 1)[0]
+    assert re.search(r"outside every recorded operation .*: normal \d+\.\d{3} ms, capture \d+\.\d{3} ms "
+                     r"\([+-]\d+\.\d{3}\)", ops), ops
+    op_rows = ops.split("name\n", 1)[1].strip().splitlines()
+    assert 1 <= len(op_rows) <= 6
+    op_changes = [abs(float(r.split()[0])) for r in op_rows]
+    assert op_changes == sorted(op_changes, reverse=True)
+    assert any(r.split()[-1].startswith("aten::") for r in op_rows), op_rows
     # then the host profile of a capture step's forward (the capture hook among its functions) and step
     assert "host, a capture step's forward (with the loss)" in text and "host, a capture step's optimizer.step()" in text
     host = text.split("host, a capture step's forward", 1)[1]
