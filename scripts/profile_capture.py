@@ -23,10 +23,10 @@ forced with ``capture_next_step``), it
   where the device arrives just after the host it was waiting for the host, so the host's
   extra work up to that mark is on the step's critical path; where it arrives well after,
   the host ran ahead (``--reps`` interleaved rounds, medians);
-* lists the host operations of a forward (``torch.profiler``, host only) whose time per
-  step a capture step changes most, the package's own C++ calls among them
-  (``lightning_cafin::tap``, ``lightning_cafin::ForwardTapHook``, ...), and the forward's
-  host time outside every recorded operation (``--reps`` forwards of each kind, interleaved);
+* lists, for each of those phases, the host operations (``torch.profiler``, host only)
+  whose time per step a capture step changes most, the package's own C++ calls among them
+  (``lightning_cafin::tap``, ``lightning_cafin::layer_stats``, ...), and the phase's host
+  time outside every recorded operation (``--reps`` steps of each kind, interleaved);
 * profiles the host (``cProfile``) in a capture step's forward (with the loss) and in its
   ``optimizer.step()``, each from a synchronised device, and prints the functions that
   take the most of it (the bench's ``host`` says how much each phase adds per layer).
@@ -48,7 +48,6 @@ import io
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -213,59 +212,84 @@ def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list
 
 
 def step_with(trainer: Trainer, capture: bool, around_forward: contextlib.AbstractContextManager,
-              around_step: Optional[contextlib.AbstractContextManager] = None) -> float:
+              around_step: contextlib.AbstractContextManager) -> None:
     """One train step, ``around_forward`` entered around its forward (with the loss) and
-    ``around_step`` around ``optimizer.step()``, each from a synchronised device; returns the
-    forward's host seconds, timed inside the context (its entry and exit left out)."""
+    ``around_step`` around ``optimizer.step()``, each from a synchronised device."""
     dev = trainer.device
     if capture:
         trainer.opt.capture_next_step()
     trainer.opt.zero_grad()
     sync(dev)
     with around_forward:
-        start = time.perf_counter()
         loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
-        seconds = time.perf_counter() - start
     loss.backward()
     sync(dev)
-    with around_step if around_step is not None else contextlib.nullcontext():
+    with around_step:
         trainer.opt.step()
     sync(dev)
-    return seconds
 
 
-def forward_host_operations(trainer: Trainer, steps: int, top: int) -> list[str]:
-    """The host operations of a train step's forward (with the loss) that a capture step
-    changes most, under ``torch.profiler`` (host activity only): each operation's own host
-    time and calls per step, over ``steps`` normal and as many capture forwards, interleaved,
-    each from a synchronised device; and the forward's host time outside every recorded
-    operation (Python, hook code that records nothing).  The package's C++ calls are
-    recorded as ``lightning_cafin::<op>`` (``csrc/record_op.h``): a C++ tap's own host time
-    is a row of its own, apart from the torch operations it runs.  The profiler adds its own
-    cost to every recorded operation, so the calls are exact and the times a relative picture."""
-    per_step: dict[str, dict[str, list[float]]] = {"normal": {}, "capture": {}}
-    outside: dict[str, list[float]] = {"normal": [], "capture": []}
+#: the profiler ranges ``host_operations`` opens around a step's phases (one per entry of ``PHASES``)
+PHASE_RANGE = "profile_capture.phase:"
+
+
+def phase_ranges() -> Callable[[int], None]:
+    """``Trainer.host_phases``' ``mark``: a profiler range around each of ``PHASES`` (before the
+    host's i-th timestamp, phase i-1's range closes and phase i's opens)."""
+    ranges = [torch.profiler.record_function(PHASE_RANGE + ph) for ph in PHASES]
+
+    def mark(i: int) -> None:
+        if i > 0:
+            ranges[i - 1].__exit__(None, None, None)
+        if i < len(ranges):
+            ranges[i].__enter__()
+
+    return mark
+
+
+def host_operations(trainer: Trainer, steps: int, top: int) -> list[str]:
+    """Per phase of a train step (``PHASES``: the forward with the loss, the backward, the
+    optimizer step), the host operations whose own time a capture step changes most, under
+    ``torch.profiler`` (host activity only): each operation's calls and own host time per
+    step over ``steps`` normal and as many capture steps, interleaved, each from a
+    synchronised device (the bench's ``host_phases``, a profiler range around each phase); and
+    each phase's host time outside every recorded operation (Python, hook code that records
+    nothing).  An operation belongs to the phase its start falls in (the backward's run on
+    autograd's own thread).  The package's C++ calls are recorded as ``lightning_cafin::<op>``
+    (``csrc/record_op.h``): a C++ tap's own host time is a row of its own, apart from the torch
+    operations it runs.  The profiler adds its own cost to every recorded operation, so the
+    calls are exact and the times a relative picture."""
+    tables: dict[str, dict[str, dict[str, list[float]]]] = {ph: {"normal": {}, "capture": {}} for ph in PHASES}
+    outside: dict[str, dict[str, list[float]]] = {ph: {"normal": [], "capture": []} for ph in PHASES}
     for _ in range(steps):
-        for kind, ops in per_step.items():
+        for kind in ("normal", "capture"):
             if kind == "normal" and trainer.opt.capture_due:
                 trainer.step()  # the schedule's own capture step, unprofiled: the next is a normal one
-            prof = profile(activities=[ProfilerActivity.CPU])
-            seconds = step_with(trainer, kind == "capture", prof)
-            recorded_us = 0.0
-            for evt in prof.key_averages():
-                row = ops.setdefault(evt.key, [0.0, 0.0])
-                row[0] += evt.count / steps
-                row[1] += evt.self_cpu_time_total / 1e3 / steps
-                recorded_us += evt.self_cpu_time_total
-            outside[kind].append(seconds * 1e6 - recorded_us)
-    n_out, c_out = (statistics.median(outside[k]) for k in ("normal", "capture"))
-    return ["", f"host, a forward's operations (with the loss), per step over {steps} normal and {steps} capture forwards, "
-                f"interleaved (torch.profiler, host only; its own cost is in every operation's time):",
-            f"  outside every recorded operation (Python, hooks' own code), median: normal {n_out / 1e3:.3f} ms, "
-            f"capture {c_out / 1e3:.3f} ms ({(c_out - n_out) / 1e3:+.3f})",
-            f"the {top} largest changes per step (capture - normal), then each side's calls per step:",
-            f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
-            *change_rows(per_step["normal"], per_step["capture"], top)]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                trainer.host_phases(kind == "capture", mark=phase_ranges())
+            events = list(prof.events())
+            spans = {e.name[len(PHASE_RANGE):]: e.time_range for e in events if e.name.startswith(PHASE_RANGE)}
+            recorded = dict.fromkeys(PHASES, 0.0)
+            for e in events:
+                phase = next((ph for ph, span in spans.items() if span.start <= e.time_range.start < span.end), None)
+                if phase is None or e.name.startswith(PHASE_RANGE):
+                    continue
+                row = tables[phase][kind].setdefault(e.name, [0.0, 0.0])
+                row[0] += 1 / steps
+                row[1] += e.self_cpu_time_total / 1e3 / steps
+                recorded[phase] += e.self_cpu_time_total
+            for ph, span in spans.items():
+                outside[ph][kind].append((span.end - span.start - recorded[ph]) / 1e3)
+    lines = ["", f"host operations per phase, per step over {steps} normal and {steps} capture steps, interleaved "
+                 f"(torch.profiler, host only; its own cost is in every operation's time):"]
+    for ph in PHASES:
+        n_out, c_out = (statistics.median(outside[ph][k]) for k in ("normal", "capture"))
+        lines += [f"{ph}: outside every recorded operation (Python, hooks' own code), median: normal {n_out:.3f} ms, "
+                  f"capture {c_out:.3f} ms ({c_out - n_out:+.3f}); the {top} largest changes per step "
+                  f"(capture - normal), then each side's calls per step:",
+                  f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
+                  *change_rows(tables[ph]["normal"], tables[ph]["capture"], top)]
+    return lines
 
 
 def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
@@ -313,7 +337,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
     lines = report(name, wl.description, layers, device, timing, normal, capture, rounds, top)
     lines += host_forward_per_layer(trainer, layers, reps)
     lines += phase_ends_report(trainer, device, reps)
-    lines += forward_host_operations(trainer, reps, min(top, 15))
+    lines += host_operations(trainer, reps, min(top, 15))
     lines += host_profile(trainer, steps, min(top, 15))
     del trainer
     gc.collect()

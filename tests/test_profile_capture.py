@@ -46,15 +46,23 @@ def test_a_quick_run_reports_the_capture_steps_changes(tmp_path):
     assert [kind for kind, *_ in ends] == ["normal", "capture"], text
     for _, *marks in ends:
         assert 0 < float(marks[0]) <= float(marks[1]) <= float(marks[2])  # forward, backward, step, in order
-    # then the forward's host operations a capture step changes most, and its time outside them
-    ops = text.split("host, a forward's operations", 1)[1].split("host, a capture step's forward", 1)[0]
-    assert re.search(r"outside every recorded operation .*: normal \d+\.\d{3} ms, capture \d+\.\d{3} ms "
-                     r"\([+-]\d+\.\d{3}\)", ops), ops
-    op_rows = ops.split("name\n", 1)[1].strip().splitlines()
-    assert 1 <= len(op_rows) <= 6
-    op_changes = [abs(float(r.split()[0])) for r in op_rows]
-    assert op_changes == sorted(op_changes, reverse=True)
-    assert any(r.split()[-1].startswith("aten::") for r in op_rows), op_rows
+    # then, per phase, the host operations a capture step changes most, and its time outside them
+    ops = text.split("host operations per phase", 1)[1].split("host, a capture step's forward", 1)[0]
+    sections = re.split(r"^(forward|backward|step): ", ops, flags=re.MULTILINE)[1:]
+    assert sections[0::2] == ["forward", "backward", "step"], ops
+    per_section = []
+    for section in sections[1::2]:
+        assert re.match(r"outside every recorded operation .*: normal -?\d+\.\d{3} ms, capture -?\d+\.\d{3} ms "
+                        r"\([+-]\d+\.\d{3}\)", section), section
+        op_rows = section.split("name\n", 1)[1].strip().splitlines()
+        assert 1 <= len(op_rows) <= 6
+        op_changes = [abs(float(r.split()[0])) for r in op_rows]
+        assert op_changes == sorted(op_changes, reverse=True)
+        per_section.append(op_rows)
+    # the capture step's own work, operations a normal step does not run: its statistics in
+    # the backward, the factor update in the step
+    for op_rows in per_section[1:]:
+        assert any(float(r.split()[4]) == 0.0 and float(r.split()[2]) > 0 for r in op_rows), op_rows
     # then the host profile of a capture step's forward (the capture hook among its functions) and step
     assert "host, a capture step's forward (with the loss)" in text and "host, a capture step's optimizer.step()" in text
     host = text.split("host, a capture step's forward", 1)[1]
