@@ -951,16 +951,16 @@ namespace {
 // (blocks of one launch are counted in int: the kernel's block indices are)
 bool fits_launch(int64_t blocks) { return blocks <= std::numeric_limits<int>::max(); }
 
-RowsItem rows_item(const ChannelArgs& a, const ChannelRowsShape& shape, int nsplit, float* ws, unsigned* counters,
-                   float* out) {
+// A planned reduction as an item of the rows kernel, of the shape it reads.
+RowsItem rows_item(const ChannelLaunch& l, const ChannelRowsShape& shape) {
   RowsItem it{};
-  it.a = a;
+  it.a = l.a;
   it.lanes = shape.lanes;
-  it.nsplit = nsplit;
+  it.nsplit = l.nsplit;
   it.tiles = static_cast<int>(shape.tiles);
-  it.partials = ws;
-  it.counters = counters;
-  it.dst = out;
+  it.partials = l.ws;
+  it.counters = l.counters;
+  it.dst = l.out;
   return it;
 }
 
@@ -984,28 +984,24 @@ cudaError_t launch_rows(const RowsPair& pair, RowsRead read, cudaStream_t stream
 
 cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream) {
   const ChannelArgs& a = l.a;
-  const int nsplit = l.nsplit;
-  float* const ws = l.ws;
-  unsigned* const counters = l.counters;
-  float* const out = l.out;
   return dispatch_float_dtype(l.dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* t = static_cast<const T*>(a.t);
     if (l.rows_kernel) {
       const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(sizeof(T)));
-      if (!fits_launch(shape.tiles * nsplit)) return cudaErrorInvalidConfiguration;
+      if (!fits_launch(shape.tiles * l.nsplit)) return cudaErrorInvalidConfiguration;
       RowsPair pair{};
-      pair.first = rows_item(a, shape, nsplit, ws, counters, out);
-      pair.first_blocks = static_cast<int>(shape.tiles * nsplit);
+      pair.first = rows_item(l, shape);
+      pair.first_blocks = static_cast<int>(shape.tiles * l.nsplit);
       return launch_rows<T>(pair, shape.read, stream);
     }
     const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
-    const dim3 grid(static_cast<unsigned>(a.O), nsplit);
+    const dim3 grid(static_cast<unsigned>(a.O), l.nsplit);
     if (vec) {
-      channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
+      channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, l.nsplit, l.ws, l.counters, l.out);
     } else {
-      channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, nsplit, ws, counters, out);
+      channel_middle_kernel<T, 1><<<grid, kCaptureBlock, 0, stream>>>(a, t, l.nsplit, l.ws, l.counters, l.out);
     }
     return cudaGetLastError();
   });
@@ -1017,8 +1013,8 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
     const ChannelRowsShape sx = channel_rows_shape(x.a, size), sy = channel_rows_shape(y.a, size);
     if (sx.read == sy.read && fits_launch(sx.tiles * x.nsplit + sy.tiles * y.nsplit)) {  // one kernel reads both
       RowsPair pair{};
-      pair.first = rows_item(x.a, sx, x.nsplit, x.ws, x.counters, x.out);
-      pair.second = rows_item(y.a, sy, y.nsplit, y.ws, y.counters, y.out);
+      pair.first = rows_item(x, sx);
+      pair.second = rows_item(y, sy);
       pair.first_blocks = static_cast<int>(sx.tiles * x.nsplit);
       return dispatch_float_dtype(x.dtype, [&](auto* tag) -> cudaError_t {
         return launch_rows<std::remove_pointer_t<decltype(tag)>>(pair, sx.read, stream);
