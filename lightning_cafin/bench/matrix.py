@@ -326,18 +326,18 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
     trainers.update({f"tcov{c}": adafisher(wl, device, batch, c) for c in TCOVS})
     trainers[SIDE_BLOCKS] = adafisher(wl, device, batch, 1)
 
-    def block(t: Trainer) -> float:
-        return elapsed_ms(functools.partial(t.steps, cfg.block), device) / cfg.block
+    def setting(k: str, t: Trainer) -> contextlib.AbstractContextManager:
+        """Where trainer ``k`` runs, its warm-up too: the side-stream blocks' with their statistics there."""
+        return statistics_on_side_stream(t) if k == SIDE_BLOCKS else contextlib.nullcontext()
 
-    def side_block(t: Trainer) -> float:
-        with statistics_on_side_stream(t):
-            return block(t)
+    def block(k: str, t: Trainer) -> float:
+        with setting(k, t):
+            return elapsed_ms(functools.partial(t.steps, cfg.block), device) / cfg.block
 
     for k, t in trainers.items():
-        with statistics_on_side_stream(t) if k == SIDE_BLOCKS else contextlib.nullcontext():
+        with setting(k, t):
             t.steps(cfg.warmup)
-    times = _interleaved({k: functools.partial(side_block if k == SIDE_BLOCKS else block, t)
-                          for k, t in trainers.items()}, cfg.blocks)
+    times = _interleaved({k: functools.partial(block, k, t) for k, t in trainers.items()}, cfg.blocks)
     out: dict[str, Any] = {"adam_ms": spread(times["adam"])}
     for c in TCOVS:
         k = f"tcov{c}"
