@@ -211,24 +211,6 @@ def phase_ends_report(trainer: Trainer, device: torch.device, reps: int) -> list
     return lines
 
 
-def step_with(trainer: Trainer, capture: bool, around_forward: contextlib.AbstractContextManager,
-              around_step: contextlib.AbstractContextManager) -> None:
-    """One train step, ``around_forward`` entered around its forward (with the loss) and
-    ``around_step`` around ``optimizer.step()``, each from a synchronised device."""
-    dev = trainer.device
-    if capture:
-        trainer.opt.capture_next_step()
-    trainer.opt.zero_grad()
-    sync(dev)
-    with around_forward:
-        loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
-    loss.backward()
-    sync(dev)
-    with around_step:
-        trainer.opt.step()
-    sync(dev)
-
-
 #: the profiler ranges ``host_operations`` opens around a step's phases (one per entry of ``PHASES``)
 PHASE_RANGE = "profile_capture.phase:"
 
@@ -297,8 +279,20 @@ def host_profile(trainer: Trainer, steps: int, top: int) -> list[str]:
     optimizer steps (each phase profiled from a synchronised device, the other not)."""
     phases = {"forward (with the loss)": cProfile.Profile(), "optimizer.step()": cProfile.Profile()}
     forward, step = phases.values()
+    dev = trainer.device
     for _ in range(steps):
-        step_with(trainer, True, forward, step)
+        trainer.opt.capture_next_step()
+        trainer.opt.zero_grad()
+        sync(dev)
+        forward.enable()
+        loss = trainer.wl.loss(trainer.model, trainer.x, trainer.y, dev)
+        forward.disable()
+        loss.backward()
+        sync(dev)
+        step.enable()
+        trainer.opt.step()
+        step.disable()
+        sync(dev)
     lines = []
     for name, prof in phases.items():
         out = io.StringIO()
