@@ -13,6 +13,8 @@ from lightning_cafin.bench.matrix import MatrixConfig, goals, goals_table, verdi
 from lightning_cafin.bench.timing import median_interval, quantile, ratio_of_sums_interval, run_peak, spread
 from lightning_cafin.bench.workloads import workloads
 
+from .capture.test_kept_launch import ext, kernels_on_cpu, tap_setting  # noqa: F401  (fixtures)
+
 MATRIX = ("resnet18", "resnet18-bf16cl", "resnet50", "gpt")
 
 
@@ -220,6 +222,29 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
         assert seen == [(True, False), (False, True)]  # the capture step had taps off; the setting came back
     finally:
         taps.set_enabled(before)
+
+
+def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
+    """A user's capture steps repeat one another, so each takes the factor update kept from
+    the one before (``factors.KeptLaunch``); the bench's C++-tap capture steps must too, though
+    it times a capture step with the Python hooks and one on the side stream between them
+    (with a stand-in extension that counts the layers each kept launch took)."""
+    from lightning_cafin.bench.matrix import (NEVER, adafisher, capture_step_on_side_stream,
+                                              capture_step_with_python_hooks, measure_host_phases)
+
+    dev = torch.device("cpu")
+    wl = workloads(dev, quick=True)["resnet18"]
+    t = adafisher(wl, dev, wl.batch(dev), NEVER)
+    t.steps(2)  # the first step captures: it makes the factors
+    layers = len(t.opt.binding.captures)
+    host = measure_host_phases(t, reps=3)  # normal, capture, capture with Python hooks; three times
+    assert host["layers"] == layers
+    # the first timed capture step makes every slot and keeps the launch; the next two take it
+    assert kernels_on_cpu.calls == [layers, layers]
+    capture_step_on_side_stream(t)
+    capture_step_with_python_hooks(t)
+    t.capture_step()
+    assert kernels_on_cpu.calls == [layers] * 4  # the side stream's took it, the Python hooks' left it
 
 
 def test_the_median_interval_is_the_order_statistics_of_the_binomial_tail():

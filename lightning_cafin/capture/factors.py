@@ -311,13 +311,19 @@ class KeptLaunch:
     (then the general path runs, and may keep a new launch); the sums it took stay in C++
     (``TakenSums``) for ``FactorLaunch.run`` (``factor_update_`` with the layers' other
     arguments converted once).
+
+    A step unlike the kept one (statistics from the Python hooks, two micro-batches, a layer
+    that did not run) leaves the launch kept while it can still serve a later step
+    (``usable``): the step after it that looks like the kept one takes it again, instead of
+    paying the general path once more to keep the same launch anew.
     """
 
-    __slots__ = ("caps", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
+    __slots__ = ("caps", "slots", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
 
     def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
                  counts: list[tuple[float, float]]) -> None:
         self.caps = tuple(batch.caps)
+        self.slots = tuple(batch.slots)
         # per layer, what a repeat finds: its kept slot, one tap out, nothing committed in Python
         self.state = [(slot, 1, 0) for slot in batch.slots]
         self.bias = _bias_presence(batch.caps)
@@ -351,10 +357,18 @@ class KeptLaunch:
             flags = self.factor_launch.run(taken, 0.1 * gamma, 0.01 * gamma)
             return CaptureReport.on_device(self.names, flags)
 
+    def usable(self, stamp: int) -> bool:
+        """Whether a later step could still take this launch: no factor tensor was replaced
+        (``stamp``) and every layer still holds the slot it was kept with.  A new slot is a
+        new object (a slot is never restored), so once a layer has one this launch can never
+        serve again, and it would only hold the old factors' tensors."""
+        return stamp == self.stamp and all(map(operator.is_, map(_SLOT, self.caps), self.slots))
+
 
 #: a kept launch's per-layer checks (``KeptLaunch.run``): ``(kernel_slot, taps_out, calls
 #: committed in Python)`` (``KernelSlot`` compares by identity), and whether a bias exists
 _KEPT_STATE = operator.attrgetter("kernel_slot", "taps_out", "_pending.calls")
+_SLOT = operator.attrgetter("kernel_slot")
 _PARAMETERS = operator.attrgetter("module._parameters")
 _BIAS = operator.methodcaller("get", "bias")
 
@@ -391,14 +405,15 @@ def update_factors(
     they were not scaled); it is divided out so factors come from true gradients.
     ``keep``: where the step's launch is kept for the next capture step when every layer
     took its kept slot and one tap's sums (``KeptLaunch``), and taken from when that
-    step looks the same.
+    step looks the same; a step that does not keep one leaves the launch kept before it
+    there while that one can still serve (``KeptLaunch.usable``).
     """
     stamp = factor_tensors_replaced()  # (a factor created below changes it only for the next capture)
-    if keep is not None and keep.launch is not None:
-        fast = keep.launch.run(captures, stamp, grad_scale, gamma)
+    kept = keep.launch if keep is not None else None
+    if kept is not None:
+        fast = kept.run(captures, stamp, grad_scale, gamma)
         if fast is not None:
             return fast
-        keep.launch = None
     report = CaptureReport()
     batches: dict[torch.device, _KernelBatch] = {}
     kernels_on: dict[torch.device, bool] = {}  # whether the kernels take float32 sums there (ext_for)
@@ -451,12 +466,27 @@ def update_factors(
         report.record(cap.name, False)
     if batches:
         _launch(batches, gamma, report)
-    if keep is not None and keepable and captures and len(batches) == 1 and not report.not_fired:
-        batch = next(iter(batches.values()))
-        ext = _kernels.ext_for(batch.h[0])
-        if ext is not None and hasattr(ext, "FactorLaunch") and not batch.fresh:
-            keep.launch = KeptLaunch(batch, ext, stamp, grad_scale, counts)
+    if keep is not None:
+        new = _launch_to_keep(batches, report, keepable, stamp, grad_scale, counts) if captures else None
+        if new is not None:
+            keep.launch = new
+        elif kept is not None and not kept.usable(factor_tensors_replaced()):
+            keep.launch = None
     return report
+
+
+def _launch_to_keep(batches: dict[torch.device, _KernelBatch], report: CaptureReport, keepable: bool, stamp: int,
+                    grad_scale: Optional[float], counts: list[tuple[float, float]]) -> Optional[KeptLaunch]:
+    """This step's launch, to be kept, where a later step can repeat it: every layer took a
+    kept slot and one tap's sums (``keepable``), on one device, every layer fired and none
+    had its factors created by it."""
+    if not keepable or len(batches) != 1 or report.not_fired:
+        return None
+    batch = next(iter(batches.values()))
+    ext = _kernels.ext_for(batch.h[0])
+    if ext is None or not hasattr(ext, "FactorLaunch") or batch.fresh:
+        return None
+    return KeptLaunch(batch, ext, stamp, grad_scale, counts)
 
 
 def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: CaptureReport) -> None:

@@ -137,23 +137,27 @@ def test_repeated_capture_steps_take_the_kept_launch_and_change_nothing(kernels_
     assert kernels_on_cpu.calls == [5] * 4  # every layer's sums, in one call per step
 
 
-@pytest.mark.parametrize("differs", ["micro_batches", "skipped_layer", "loss_scale"])
-def test_a_step_unlike_the_kept_one_takes_the_general_path(kernels_on_cpu, differs):
+@pytest.mark.parametrize("differs, takes", [("micro_batches", [5, 5, 5]), ("skipped_layer", [5, 5, 5, 5]),
+                                            ("loss_scale", [5, 5, 5])])
+def test_a_step_unlike_the_kept_one_takes_the_general_path(kernels_on_cpu, differs, takes):
     """The fourth step differs from the third (two micro-batches, a layer that did not run, a
     new loss scale): the kept launch refuses it in Python, before asking the extension, and
-    the general path gives the factors, weights and report of a run without kept launches;
-    the fifth step keeps a launch again (its own loss scale's) and the last two take it."""
+    the general path gives the factors, weights and report of a run without kept launches.
+    Two micro-batches' counts and a new loss scale give every layer a new slot, so that
+    launch can never serve again: the fifth step keeps one anew and the last two take it.
+    A skipped layer changes no slot: the launch stays kept and the fifth step takes it too."""
     odd = lambda step: step == 3  # noqa: E731
     schedule = {"micro_batches": {"micro_batches": lambda step: 2 if odd(step) else 1},
                 "skipped_layer": {"skip_extra": odd},
                 "loss_scale": {"scale": lambda step: 8.0 if odd(step) else 4.0}}[differs]
     _both_ways(kernels_on_cpu, steps=7, **schedule)
-    assert kernels_on_cpu.calls == [5, 5, 5]  # the third, sixth and seventh steps: all five layers, nothing refused
+    assert kernels_on_cpu.calls == takes  # all five layers each time, nothing refused by the extension
 
 
 def test_statistics_from_the_python_hooks_take_the_general_path(kernels_on_cpu):
     """A step whose statistics came from the Python hooks (taps off) has no taps out: the kept
-    launch is not taken, and the factors are those of a run without kept launches."""
+    launch is not taken, and the factors are those of a run without kept launches.  It
+    changes no layer's slot, so the launch stays kept for the next step with taps."""
     torch.manual_seed(0)
     model = Tapped()
     ref_model, got_model = copy.deepcopy(model), model
@@ -169,7 +173,45 @@ def test_statistics_from_the_python_hooks_take_the_general_path(kernels_on_cpu):
             opt.step()
         results.append(opt)
     _assert_same(results[1], results[0])
-    assert kernels_on_cpu.calls == [5]  # the third step only: the fourth was refused in Python, the fifth keeps again
+    assert kernels_on_cpu.calls == [5, 5]  # the third and fifth steps: the fourth was refused in Python
+
+
+def test_a_kept_launch_outlives_a_step_unlike_it_only_while_it_can_serve(kernels_on_cpu):
+    """A step that keeps no launch of its own leaves the kept one in place while every layer
+    still holds the slot it was kept with and no factor tensor was replaced; otherwise the
+    launch is dropped (it could never serve again, and would hold the old factors)."""
+    torch.manual_seed(0)
+    model = Tapped()
+    opt = AdaFisher(model, lr=1e-2, TCov=1, backend="foreach")
+    keeper = opt.binding.launch_keeper
+
+    def step(micro_batches: int = 1, with_taps: bool = True) -> None:
+        taps.set_enabled(with_taps)
+        opt.zero_grad()
+        for _ in range(micro_batches):
+            nn.functional.cross_entropy(model(torch.randn(4, 3, 5, 5)), torch.randint(0, 5, (4,))).backward()
+        opt.step()
+        taps.set_enabled(True)
+
+    step()
+    step()  # the first step made the factors, the second every slot: its launch is kept
+    first = keeper.launch
+    assert first is not None and kernels_on_cpu.calls == []
+    step(with_taps=False)  # the Python hooks' statistics: the general path, every slot kept
+    assert keeper.launch is first and kernels_on_cpu.calls == []
+    step()
+    assert keeper.launch is first and kernels_on_cpu.calls == [5]  # taken again
+    step(micro_batches=2)  # twice the counts: a new slot per layer, nothing to keep
+    assert keeper.launch is None and kernels_on_cpu.calls == [5]
+    step()
+    second = keeper.launch
+    assert second is not None and second is not first
+    step(with_taps=False)
+    assert keeper.launch is second
+    cap = opt.binding.captures["conv"]
+    cap.S = cap.S.clone()  # a factor tensor replaced: no kept slot is valid any more
+    step(with_taps=False)
+    assert keeper.launch is None and kernels_on_cpu.calls == [5]
 
 
 def test_take_single_takes_every_sinks_one_result_or_nothing(ext):  # noqa: F811
