@@ -312,10 +312,12 @@ class KeptLaunch:
     (``TakenSums``) for ``FactorLaunch.run`` (``factor_update_`` with the layers' other
     arguments converted once).
 
-    A step unlike the kept one (statistics from the Python hooks, two micro-batches, a layer
-    that did not run) leaves the launch kept while it can still serve a later step
-    (``usable``): the step after it that looks like the kept one takes it again, instead of
-    paying the general path once more to keep the same launch anew.
+    A step unlike the kept one leaves the launch kept while it can still serve a later step
+    (``usable``): after statistics from the Python hooks or a layer that did not run, the
+    next step that looks like the kept one takes it again, instead of paying the general
+    path once more to keep the same launch anew.  Other sums' sizes or counts (two
+    micro-batches, another batch size, a new loss scale) give the layers new slots, and the
+    launch is dropped.
     """
 
     __slots__ = ("caps", "slots", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
