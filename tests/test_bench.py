@@ -226,21 +226,30 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
 
 def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
     """A user's capture steps repeat one another, so each takes the factor update kept from
-    the one before (``factors.KeptLaunch``); the bench's C++-tap capture steps must too, though
-    it times a capture step with the Python hooks and one on the side stream between them
-    (with a stand-in extension that counts the layers each kept launch took)."""
+    the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
+    though it times a capture step with the Python hooks and one on the side stream between
+    them, and it records that they did (with a stand-in extension that counts the layers
+    each kept launch took)."""
     from lightning_cafin.bench.matrix import (NEVER, adafisher, capture_step_on_side_stream,
-                                              capture_step_with_python_hooks, measure_host_phases)
+                                              capture_step_with_python_hooks, measure_host_phases,
+                                              measure_sync_step_state)
 
     dev = torch.device("cpu")
     wl = workloads(dev, quick=True)["resnet18"]
+    cfg = MatrixConfig.quick()
+    r = measure_sync_step_state(wl, dev, wl.batch(dev), cfg)
+    assert r["sync"]["capture_kept_launch_share"] == 1.0 and r["host"]["capture_kept_launch_share"] == 1.0
+    layers = r["host"]["layers"]
+    # the untimed capture step kept it; every timed C++-tap capture step took it: each round's
+    # current-stream and side-stream ones, then the host phases' ones
+    assert kernels_on_cpu.calls == [layers] * (3 * cfg.sync_reps)
+
+    kernels_on_cpu.calls.clear()
     t = adafisher(wl, dev, wl.batch(dev), NEVER)
     t.steps(2)  # the first step captures: it makes the factors
-    layers = len(t.opt.binding.captures)
     host = measure_host_phases(t, reps=3)  # normal, capture, capture with Python hooks; three times
-    assert host["layers"] == layers
     # the first timed capture step makes every slot and keeps the launch; the next two take it
-    assert kernels_on_cpu.calls == [layers, layers]
+    assert kernels_on_cpu.calls == [layers, layers] and host["capture_kept_launch_share"] == 2 / 3
     capture_step_on_side_stream(t)
     capture_step_with_python_hooks(t)
     t.capture_step()

@@ -251,19 +251,38 @@ HOST_KINDS = ("normal", "capture", "capture_python_hooks")
 HOST_LABELS = {"normal": "normal", "capture": "capture", "capture_python_hooks": "capture with Python hooks"}
 
 
+def kept_launches_taken(t: Trainer) -> int:
+    """How many of ``t``'s capture steps so far took the factor update kept from the one
+    before (``LaunchKeeper.taken``), as a training run's repeated capture steps do."""
+    return t.opt.binding.launch_keeper.taken
+
+
+def kept_share(t: Trainer, fn: Callable[[], Any], served: list[bool]) -> Callable[[], Any]:
+    """``fn`` (one capture step), noting in ``served`` whether it took the kept factor update."""
+    def run() -> Any:
+        before = kept_launches_taken(t)
+        out = fn()
+        served.append(kept_launches_taken(t) > before)
+        return out
+    return run
+
+
 def measure_host_phases(t: Trainer, reps: int) -> dict[str, Any]:
     """Host milliseconds per phase of AdaFisher's normal and capture steps (interleaved),
     and what a capture step adds per captured layer, in microseconds: the capture step's
-    cost where the host, not the device, is the bottleneck."""
+    cost where the host, not the device, is the bottleneck.  ``capture_kept_launch_share``:
+    the share of the timed C++-tap capture steps that took the kept factor update."""
+    served: list[bool] = []
     timed: dict[str, Callable[[], tuple[float, float, float]]] = {
-        "normal": functools.partial(t.host_phases, False), "capture": functools.partial(t.host_phases, True),
+        "normal": functools.partial(t.host_phases, False),
+        "capture": kept_share(t, functools.partial(t.host_phases, True), served),
         "capture_python_hooks": functools.partial(_host_phases_with_python_hooks, t)}
     rows: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in HOST_KINDS}
     for _ in range(reps):
         for kind in HOST_KINDS:
             rows[kind].append(timed[kind]())
     layers = max(1, len(t.opt.factors()))
-    out: dict[str, Any] = {"layers": layers}
+    out: dict[str, Any] = {"layers": layers, "capture_kept_launch_share": sum(served) / max(1, len(served))}
     for kind in HOST_KINDS:
         out[kind] = {phase: spread([r[i] for r in rows[kind]]) for i, phase in enumerate(PHASES)}
 
@@ -280,11 +299,15 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     base, ada = adam(wl, device, batch), adafisher(wl, device, batch, NEVER)
     base.steps(cfg.warmup)
     ada.steps(cfg.warmup)
+    # an untimed capture step: a training run's capture steps repeat one another, each taking
+    # the factor update the one before kept, and the timed ones then do as well
+    ada.capture_step()
     on_side = functools.partial(capture_step_on_side_stream, ada)
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
+    served: list[bool] = []
     sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                          "normal": functools.partial(elapsed_ms, ada.step, device),
-                         "capture": functools.partial(elapsed_ms, ada.capture_step, device),
+                         "capture": kept_share(ada, functools.partial(elapsed_ms, ada.capture_step, device), served),
                          "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
                          "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
@@ -306,6 +329,7 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
                  "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio),
                  "capture_uses_taps": capture_taps.enabled(),
+                 "capture_kept_launch_share": sum(served) / max(1, len(served)),
                  "capture_python_hooks_ms": spread(sync["capture_python_hooks"]),
                  "python_hooks_above_normal_ms": _paired(sync["capture_python_hooks"], sync["normal"], _diff),
                  "python_hooks_vs_capture_ratio": _paired(sync["capture_python_hooks"], sync["capture"], _ratio)},
@@ -484,6 +508,9 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
                      f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")
+        if "capture_kept_launch_share" in s:  # (older runs did not record it)
+            lines.append(f"  timed capture steps that took the kept factor update: sync {s['capture_kept_launch_share']:.0%}"
+                         + (f", host phases {r['host']['capture_kept_launch_share']:.0%}" if "host" in r else ""))
         if "host" in r:
             h = r["host"]
             lines.append("  host ms (forward, backward, step): " + "; ".join(

@@ -387,12 +387,15 @@ def _launch_args(slots: list[KernelSlot]) -> tuple[list, ...]:
 
 
 class LaunchKeeper:
-    """Where an optimizer keeps its last ``KeptLaunch`` between capture steps (``update_factors``'s ``keep``)."""
+    """Where an optimizer keeps its last ``KeptLaunch`` between capture steps (``update_factors``'s
+    ``keep``), and how many capture steps it served (``taken``: what a benchmark checks its
+    timed capture steps against)."""
 
-    __slots__ = ("launch",)
+    __slots__ = ("launch", "taken")
 
     def __init__(self) -> None:
         self.launch: Optional[KeptLaunch] = None
+        self.taken = 0
 
 
 def update_factors(
@@ -412,9 +415,10 @@ def update_factors(
     """
     stamp = factor_tensors_replaced()  # (a factor created below changes it only for the next capture)
     kept = keep.launch if keep is not None else None
-    if kept is not None:
+    if keep is not None and kept is not None:
         fast = kept.run(captures, stamp, grad_scale, gamma)
         if fast is not None:
+            keep.taken += 1
             return fast
     report = CaptureReport()
     batches: dict[torch.device, _KernelBatch] = {}
