@@ -121,6 +121,26 @@ INTERVAL_NOTE = ("Interval: the 90% interval of the value (for a median, its ord
                  "under the goal, **no** where it lies wholly above it, within noise where it spans the goal: the "
                  "host's spread leaves that goal undecided by this run.")
 
+KEPT_UNRECORDED = ("This run timed its step-synchronous C++-tap capture steps on the factor update's general path, "
+                   "not on the launch a training run's repeated capture steps keep and take (`KeptLaunch`, "
+                   "`lightning_cafin/capture/factors.py`): each of its rounds also timed a capture step with the "
+                   "Python hooks, which then dropped the kept launch. Later runs keep it, and record the share of "
+                   "their timed capture steps that took it (`docs/results/README.md`).")
+
+
+def _kept_text(matrix: dict) -> Optional[str]:
+    """Whether the timed step-synchronous capture steps took the kept factor update, per
+    workload (None for a matrix without step-synchronous figures)."""
+    synced = {name: w["sync"] for name, w in matrix["workloads"].items() if "sync" in w}
+    if not synced:
+        return None
+    shares = {name: s.get("capture_kept_launch_share") for name, s in synced.items()}
+    if any(v is None for v in shares.values()):
+        return KEPT_UNRECORDED
+    return ("Timed step-synchronous capture steps that took the factor update kept from the capture step before, "
+            "as a training run's repeated capture steps do: " + "; ".join(f"`{n}` {v:.0%}" for n, v in shares.items())
+            + ".")
+
 
 def _launch_text(name: str, w: dict) -> str:
     launches, per_launch = w["launches"], w.get("host_us_per_added_launch")
@@ -152,6 +172,9 @@ def matrix_section(path: Path) -> Optional[str]:
             lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} |{interval} {_goal_limit(goal)} | {_met(goal)} |")
     if with_intervals:
         lines += ["", INTERVAL_NOTE]
+    kept = _kept_text(matrix)
+    if kept:
+        lines += ["", kept]
     counted = {name: w for name, w in matrix["workloads"].items() if w.get("launches")}
     if counted:
         lines += ["", "Device operations (kernels, copies, fills) a capture step adds to a train step, beside the budget "

@@ -18,7 +18,11 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   paired ratios and differences.  The capture step is also timed with its statistics on a
   side stream (``capture_stream=True``) beside the default current stream, and with Python
   tensor hooks beside the default C++ gradient taps, so that each default is checked
-  against a figure measured side by side.
+  against a figure measured side by side.  The rounds start after an untimed capture
+  step: a training run's capture steps repeat one another, each taking the factor update
+  the one before kept (``capture/factors.py``, ``KeptLaunch``), and so do the timed ones,
+  the Python hooks' between them notwithstanding (``capture_kept_launch_share``: the
+  share that did, here and in ``host``).
 * ``memory``: each optimizer alone on its own model: the allocator's peak during one
   normal and one capture step (``torch.cuda.max_memory_allocated`` after a reset), above
   what was allocated before the model was built.  On the CPU the peak is the resident

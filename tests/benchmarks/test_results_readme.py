@@ -135,6 +135,22 @@ def test_a_matrix_with_intervals_gets_their_column_and_verdicts(tmp_path):
     assert "a step-synchronous capture step's time above a normal step's was `toy` 80 ops." in text  # 2.5 ms / 31.26 us
 
 
+def test_the_matrix_says_whether_its_timed_capture_steps_took_the_kept_launch(tmp_path):
+    """A run that recorded it gives each workload's share; a run that did not (before the
+    bench kept the launch across its Python-hooks steps) says its capture steps took the
+    general path; a matrix without step-synchronous figures says neither."""
+    goals = [{"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True}]
+    matrix = _toy_matrix(goals)
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert readme.KEPT_UNRECORDED not in text and "took the factor update kept" not in text
+    matrix["workloads"]["toy"]["sync"] = {"capture_above_normal_ms": spread_around(2.5, 30)}
+    assert readme.KEPT_UNRECORDED in readme.matrix_section(_bench_file(tmp_path, matrix))
+    matrix["workloads"]["toy"]["sync"]["capture_kept_launch_share"] = 29 / 30
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert readme.KEPT_UNRECORDED not in text
+    assert "as a training run's repeated capture steps do: `toy` 97%." in text
+
+
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 
