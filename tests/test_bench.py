@@ -172,11 +172,15 @@ def test_default_matrix_covers_every_tcov_capture():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_quick_matrix_on_the_gpu(tmp_path):
-    """The CUDA-only paths (allocator peaks, device synchronisation, batch sizing) in tiny sizes."""
+    """The CUDA-only paths (allocator peaks, device synchronisation, batch sizing) in tiny sizes;
+    every timed capture step takes the factor update kept from the one before, with the
+    real kernels, as a training run's do."""
     assert bench.main(["--quick", "--matrix-only", "--device", "cuda", "--out", str(tmp_path)]) == 0
     matrix = json.loads((tmp_path / "bench.json").read_text())["matrix"]["workloads"]
     assert tuple(matrix) == MATRIX
     for name, wl in matrix.items():
+        shares = (wl["sync"]["capture_kept_launch_share"], wl["host"]["capture_kept_launch_share"])
+        assert shares == (1.0, 1.0), (name, shares)
         mem = wl["memory"]
         # above what was allocated before the model was built: at least the parameters and gradients
         params = sum(p.numel() * 4 for p in workloads(torch.device("cuda"), quick=True)[name].make_model().parameters())
