@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning_cafin.bench.matrix import format_value
+from lightning_cafin.bench.goals import format_value
 from lightning_cafin.bench.timing import spread_text
 from lightning_cafin.provenance import REQUIRED_FIELDS
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_cafin import bench
-from lightning_cafin.bench.matrix import MatrixConfig, goals, goals_table, verdict
+from lightning_cafin.bench.goals import goals_table, verdict
+from lightning_cafin.bench.matrix import MatrixConfig, goals
 from lightning_cafin.bench.timing import median_interval, quantile, ratio_of_sums_interval, run_peak, spread
 from lightning_cafin.bench.workloads import workloads
 

@@ -45,7 +45,8 @@ from ..provenance import provenance
 from .callback_overhead import CallbackConfig, callback_table, measure_callback
 from .compiled import COMPILED_WORKLOADS, CompiledConfig, compiled_table, run_compiled
 from .host_speed import host_speed, host_speed_text
-from .matrix import MatrixConfig, add_launch_counts, detail_table, goals_table, run_matrix
+from .goals import goals_table
+from .matrix import MatrixConfig, add_launch_counts, detail_table, run_matrix
 from .optimizer_step import Result, bench_flat, bench_model, plot, ratios, state_bytes, table, variants
 from .timing import extra_ms, median_ms
 from .workloads import NAMES as MATRIX_WORKLOADS

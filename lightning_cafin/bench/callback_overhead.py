@@ -42,7 +42,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from .. import AdaFisher, AdaFisherW, CAFINCallback
-from .matrix import goal_rows
+from .goals import goal_rows
 from .syncs import counting_syncs
 from .timing import spread, spread_text, sync
 from .workloads import Workload

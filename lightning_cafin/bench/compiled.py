@@ -12,7 +12,7 @@ optimizer steps run eagerly, as in most training loops.
   breaks and frames left eager at dynamo's recompile limit (``torch._dynamo.utils.counters``)
   are recorded;
 * timed: ``blocks`` blocks of ``block`` back-to-back train steps per variant, alternating
-  (``matrix._interleaved``), each timed by the wall clock between two synchronisations;
+  (``timing.interleaved``), each timed by the wall clock between two synchronisations;
   ``blocks * block`` spans whole TCov periods, so captures count at their real frequency.
   ``ratio`` is AdaFisher's total time over Adam's (the goal: at most 1.05x), ``block_ratio``
   the spread of the paired per-block ratios; graphs compiled while timing are counted (0
@@ -33,8 +33,9 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
-from .matrix import Trainer, _free, _interleaved, _paired, _ratio, goal_rows
-from .timing import elapsed_ms, spread, spread_text, sync
+from .goals import goal_rows
+from .matrix import Trainer
+from .timing import elapsed_ms, free_memory, interleaved, paired, ratio, spread, spread_text, sync
 from .workloads import Workload
 
 #: The workloads compiled (names of ``workloads.workloads``).
@@ -105,7 +106,7 @@ def summarise(times: dict[str, list[float]], compiled: dict[str, dict[str, Any]]
         raise ValueError(f"need the same non-zero number of blocks per variant (got {len(ada)} and {len(adam)})")
     out: dict[str, Any] = {
         "adam_ms": spread(adam), "adafisher_ms": spread(ada),
-        "ratio": sum(ada) / sum(adam), "block_ratio": _paired(ada, adam, _ratio),
+        "ratio": sum(ada) / sum(adam), "block_ratio": paired(ada, adam, ratio),
         "compile": compiled, "compiled_while_timed": while_timed,
     }
     out["goals"] = compiled_goals(out)
@@ -144,11 +145,11 @@ def measure_compiled(wl: Workload, device: torch.device, cfg: CompiledConfig) ->
             return elapsed_ms(functools.partial(t.steps, cfg.block), device) / cfg.block
 
         before = dynamo_counts()
-        times = _interleaved({k: functools.partial(block, t) for k, t in trainers.items()}, cfg.blocks)
+        times = interleaved({k: functools.partial(block, t) for k, t in trainers.items()}, cfg.blocks)
         while_timed = _delta(before, dynamo_counts())
         backend = trainers["adafisher"].opt.backend
     del trainers
-    _free(device)
+    free_memory(device)
     torch._dynamo.reset()
     return {"description": wl.description, "optimizer": wl.ada_cls.__name__,
             "baseline": f"{wl.adam_cls.__name__}(fused=True)", "backend": backend, "compiler": cfg.backend,

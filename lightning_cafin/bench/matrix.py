@@ -39,23 +39,19 @@ For each workload (``workloads.py``), on the same model, batch and precision:
   every timing of the run (``add_launch_counts``); ``host_us_per_added_launch`` divides
   the capture step's extra host time by them.
 
-:func:`goals` sets each figure beside its goal (issue 16) and says whether it is met:
-by its value (``met``), and by its interval (``verdict``), which says "undecided" where the
-interval spans the goal.  The host's step times spread by 10% and more between rounds (and
-its speed by 40% between sessions), so a median a few percent over a goal can be noise:
-the verdict says which misses the measurement can tell apart from it.
+:func:`goals` sets each figure beside its goal (issue 16) and says whether it is met, by
+its value and by its interval (``goals.py``); :func:`detail_table` prints the figures
+behind them.  The host's speed varies by 40% between sessions: compare within one run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import gc
-import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -63,8 +59,10 @@ from torch import nn
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
 from ..capture_options import CaptureOptions
+from .goals import goal_rows
 from .launches import capture_launches
-from .timing import elapsed_ms, ratio_of_sums_interval, run_peak, spread, spread_text, sync
+from .timing import (diff, elapsed_ms, free_memory, interleaved, paired, ratio, ratio_of_sums_interval, run_peak,
+                     spread, spread_text, sync)
 from .workloads import Workload
 
 TCOVS = (100, 10, 1)
@@ -161,37 +159,9 @@ def resident_bytes(t: Trainer) -> int:
     return sum(p.numel() * p.element_size() for p in params) + grads + state
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
-    """``reps`` rounds of every fn, the order rotated each round so none always goes first."""
-    keys = list(fns)
-    out: dict[str, list[float]] = {k: [] for k in keys}
-    for r in range(reps):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-            out[k].append(fns[k]())
-    return out
-
-
-def _paired(num: list[float], den: list[float], op: Callable[[float, float], float]) -> dict[str, Any]:
-    return spread([op(a, b) for a, b in zip(num, den)])
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b
-
-
-def _diff(a: float, b: float) -> float:
-    return a - b
-
-
 def _memory_of(name: str, wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, float]:
     """One optimizer alone: its peak per step type; everything it built is gone when this returns."""
-    _free(device)
+    free_memory(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t = adam(wl, device, batch) if name == "adam" else adafisher(wl, device, batch, NEVER)
     t.steps(cfg.warmup)
@@ -208,7 +178,7 @@ def _memory_of(name: str, wl: Workload, device: torch.device, batch, cfg: Matrix
 def measure_memory(wl: Workload, device: torch.device, batch, cfg: MatrixConfig) -> dict[str, Any]:
     """Peak bytes of one step per step type, each optimizer alone on the device."""
     out: dict[str, Any] = {name: _memory_of(name, wl, device, batch, cfg) for name in ("adam", "adafisher")}
-    _free(device)
+    free_memory(device)
     ada = out["adafisher"]
     out["capture_vs_normal_ratio"] = ada["capture_peak_mb"] / ada["normal_peak_mb"]
     out["normal_vs_adam_ratio"] = ada["normal_peak_mb"] / out["adam"]["normal_peak_mb"]
@@ -309,7 +279,7 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     on_side = functools.partial(capture_step_on_side_stream, ada)
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     served: list[bool] = []
-    sync = _interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
+    sync = interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                          "normal": functools.partial(elapsed_ms, ada.step, device),
                          "capture": kept_share(ada, functools.partial(elapsed_ms, ada.capture_step, device), served),
                          "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
@@ -318,7 +288,7 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
 
-    alone = _interleaved({"adam": functools.partial(per_step, base), "adafisher": functools.partial(per_step, ada)},
+    alone = interleaved({"adam": functools.partial(per_step, base), "adafisher": functools.partial(per_step, ada)},
                          cfg.step_blocks)
     host = measure_host_phases(ada, cfg.sync_reps)
     ada_state = ada.opt.memory_usage()
@@ -327,24 +297,24 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
         "backend": ada.opt.backend,
         "sync": {"adam_ms": spread(sync["adam"]), "normal_ms": spread(sync["normal"]),
                  "capture_ms": spread(sync["capture"]),
-                 "normal_vs_adam_ratio": _paired(sync["normal"], sync["adam"], _ratio),
-                 "capture_vs_normal_ratio": _paired(sync["capture"], sync["normal"], _ratio),
-                 "capture_above_normal_ms": _paired(sync["capture"], sync["normal"], _diff),
+                 "normal_vs_adam_ratio": paired(sync["normal"], sync["adam"], ratio),
+                 "capture_vs_normal_ratio": paired(sync["capture"], sync["normal"], ratio),
+                 "capture_above_normal_ms": paired(sync["capture"], sync["normal"], diff),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
-                 "side_vs_current_stream_ratio": _paired(sync["capture_side_stream"], sync["capture"], _ratio),
+                 "side_vs_current_stream_ratio": paired(sync["capture_side_stream"], sync["capture"], ratio),
                  "capture_uses_taps": capture_taps.enabled(),
                  "capture_kept_launch_share": sum(served) / max(1, len(served)),
                  "capture_python_hooks_ms": spread(sync["capture_python_hooks"]),
-                 "python_hooks_above_normal_ms": _paired(sync["capture_python_hooks"], sync["normal"], _diff),
-                 "python_hooks_vs_capture_ratio": _paired(sync["capture_python_hooks"], sync["capture"], _ratio)},
+                 "python_hooks_above_normal_ms": paired(sync["capture_python_hooks"], sync["normal"], diff),
+                 "python_hooks_vs_capture_ratio": paired(sync["capture_python_hooks"], sync["capture"], ratio)},
         "host": host,
         "optimizer_step": {"adam_ms": spread(alone["adam"]), "adafisher_ms": spread(alone["adafisher"]),
-                           "vs_adam_ratio": _paired(alone["adafisher"], alone["adam"], _ratio)},
+                           "vs_adam_ratio": paired(alone["adafisher"], alone["adam"], ratio)},
         "state": {"adafisher_bytes": ada_state, "adam_bytes": adam_state,
                   "vs_adam_ratio": ada_state["total"] / adam_state},
     }
     del base, ada
-    _free(device)
+    free_memory(device)
     return result
 
 
@@ -365,20 +335,20 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
     for k, t in trainers.items():
         with setting(k, t):
             t.steps(cfg.warmup)
-    times = _interleaved({k: functools.partial(block, k, t) for k, t in trainers.items()}, cfg.blocks)
+    times = interleaved({k: functools.partial(block, k, t) for k, t in trainers.items()}, cfg.blocks)
     out: dict[str, Any] = {"adam_ms": spread(times["adam"])}
     for c in TCOVS:
         k = f"tcov{c}"
         ci = ratio_of_sums_interval(times[k], times["adam"])
         out[k] = {"ms": spread(times[k]), "ratio": sum(times[k]) / sum(times["adam"]),
                   "ratio_ci90": None if ci is None else list(ci),
-                  "block_ratio": _paired(times[k], times["adam"], _ratio)}
+                  "block_ratio": paired(times[k], times["adam"], ratio)}
     ci = ratio_of_sums_interval(times[SIDE_BLOCKS], times["tcov1"])
     out[SIDE_BLOCKS] = {"ms": spread(times[SIDE_BLOCKS]),
                         "vs_current_stream_ratio": sum(times[SIDE_BLOCKS]) / sum(times["tcov1"]),
                         "ratio_ci90": None if ci is None else list(ci)}
     del trainers
-    _free(device)
+    free_memory(device)
     return out
 
 
@@ -395,47 +365,6 @@ def measure(wl: Workload, device: torch.device, cfg: MatrixConfig) -> dict[str, 
     result["warnings"] = sorted({str(w.message) for w in caught})
     result["goals"] = goals(wl, result)
     return result
-
-
-@dataclass
-class Goal:
-    figure: str
-    value: float
-    unit: str  # "x" (a ratio), "ms" or "count"
-    limit: Optional[float]  # None: reported, no goal
-    met: Optional[bool]  # the value (a median, a ratio of sums) against the limit
-    #: the value's 90% interval ``[low, high]`` (``timing.median_interval`` or a bootstrap), None where not measured
-    interval: Optional[list[float]] = None
-    #: "met" (the interval lies at or under the limit), "not met" (wholly above it), "undecided" (it spans the
-    #: limit: the host's spread hides the answer), None without a limit; without an interval, the value's verdict
-    verdict: Optional[str] = None
-
-    @property
-    def text(self) -> str:
-        return format_value(self.value, self.unit)
-
-    @property
-    def goal_text(self) -> str:
-        if self.limit is None:
-            return "-"
-        return f"<= {self.limit:g}" + {"x": "x", "count": ""}.get(self.unit, " ms")
-
-
-def format_value(value: float, unit: str) -> str:
-    """A goal's value as the tables print it: ``1.031x``, ``+0.42 ms`` or a count."""
-    return {"x": f"{value:.3f}x", "count": f"{value:g}"}.get(unit, f"{value:+.2f} ms")
-
-
-def verdict(value: float, limit: Optional[float], interval: Optional[Sequence[float]] = None) -> Optional[str]:
-    """A goal's verdict (see ``Goal.verdict``): from the interval where there is one, else from the value."""
-    if limit is None or not math.isfinite(value):
-        return None
-    if interval is None:
-        return "met" if value <= limit else "not met"
-    low, high = interval
-    if high <= limit:
-        return "met"
-    return "not met" if low > limit else "undecided"
 
 
 def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -467,36 +396,6 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
              ("optimizer step vs Adam (eager)", med(r["optimizer_step"]["vs_adam_ratio"]), "x", 0.6),
              ("optimizer state vs Adam", (r["state"]["vs_adam_ratio"], None), "x", None)]
     return goal_rows([(figure, value, unit, limit, interval) for figure, (value, interval), unit, limit in rows])
-
-
-GoalRow = tuple  # (figure, value, unit, limit) or (figure, value, unit, limit, interval)
-
-
-def goal_rows(rows: Sequence[GoalRow]) -> list[dict[str, Any]]:
-    """``(figure, value, unit, limit[, interval])`` rows as :class:`Goal` dicts: ``met`` decides
-    the value against the limit (``None`` without a limit or for a value that is not finite:
-    no verdict), ``verdict`` the interval where there is one (:func:`verdict`)."""
-    out = []
-    for figure, value, unit, limit, *rest in rows:
-        interval = list(rest[0]) if rest and rest[0] is not None else None
-        met = None if limit is None or not math.isfinite(value) else value <= limit
-        out.append(asdict(Goal(figure, value, unit, limit, met, interval, verdict(value, limit, interval))))
-    return out
-
-
-def goals_table(matrix: dict[str, dict[str, Any]]) -> str:
-    """The short table printed last: every workload's figures beside their goals."""
-    lines = [["workload", "figure", "value", "goal", ""]]
-    for name, r in matrix.items():
-        for g in r["goals"]:
-            goal = Goal(**g)
-            value = goal.text
-            if goal.interval is not None:
-                value += f" [{format_value(goal.interval[0], goal.unit)}, {format_value(goal.interval[1], goal.unit)}]"
-            lines.append([name, goal.figure, value, goal.goal_text, (goal.verdict or "").upper()])
-    widths = [max(len(row[i]) for row in lines) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-                     for row in lines)
 
 
 def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
@@ -549,7 +448,7 @@ def count_launches(wl: Workload, device: torch.device, batch) -> Optional[dict[s
         t.capture_step()
     counted = capture_launches(t.opt, t.step, t.capture_step)
     del t
-    _free(device)
+    free_memory(device)
     return counted
 
 

@@ -2,13 +2,15 @@
 
 ``time_ms``/``median_ms``/``extra_ms`` time one call from an idle device with CUDA events
 (the wall clock on the CPU).  ``elapsed_ms`` times a block with the wall clock between two
-synchronisations, host work included: what a training loop sees.  ``run_peak`` is the
+synchronisations, host work included: what a training loop sees.  ``interleaved`` runs
+variants in rotated rounds, ``paired`` spreads their per-round ratios or differences.  ``run_peak`` is the
 allocator's peak over one call (``torch.cuda.max_memory_allocated`` after a reset), or on
 the CPU the peak of the tensors the call creates (``monitor.memory.TemporaryMemory``).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
@@ -63,6 +65,36 @@ def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     sync(device)
     return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(fns: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
+    """``reps`` rounds of every fn, the order rotated each round so none always goes first."""
+    keys = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(reps):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            out[k].append(fns[k]())
+    return out
+
+
+def paired(num: list[float], den: list[float], op: Callable[[float, float], float]) -> dict[str, Any]:
+    """The spread of ``op(num[i], den[i])`` over rounds measured together (``ratio``, ``diff``)."""
+    return spread([op(a, b) for a, b in zip(num, den)])
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b
+
+
+def diff(a: float, b: float) -> float:
+    return a - b
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and give the allocator's cached blocks back, between measurements."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_peak(fn: Callable[[], object], device: torch.device) -> tuple[int, int]:
