@@ -280,16 +280,16 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     served: list[bool] = []
     sync = interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
-                         "normal": functools.partial(elapsed_ms, ada.step, device),
-                         "capture": kept_share(ada, functools.partial(elapsed_ms, ada.capture_step, device), served),
-                         "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
-                         "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
+                        "normal": functools.partial(elapsed_ms, ada.step, device),
+                        "capture": kept_share(ada, functools.partial(elapsed_ms, ada.capture_step, device), served),
+                        "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
+                        "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
 
     alone = interleaved({"adam": functools.partial(per_step, base), "adafisher": functools.partial(per_step, ada)},
-                         cfg.step_blocks)
+                        cfg.step_blocks)
     host = measure_host_phases(ada, cfg.sync_reps)
     ada_state = ada.opt.memory_usage()
     adam_state = adam_state_bytes(base.opt)
