@@ -20,8 +20,9 @@ and 2.55 / 3.09, ResNet-50 4.92 / 3.45 and 3.67 / 4.65, the GPT 3.17 / 2.58 and 
 1.53, peak memory equal: only the GPT gained both ways, so the default stays off.  (The
 matrix's synchronised figures before 60b20f8, those at 44a1b7d and 3055b31 above
 included, favoured the side stream: its capture steps took the factor update the step
-before kept, the current stream's, timed after a Python-hooks capture step, did not;
-the c34d043 figures time both ways alike.)  The bench matrix times both ways (``sync``
+before kept, the current stream's, timed after a Python-hooks capture step, did not.
+How the c34d043 figures were taken is not recorded beyond the above: back-to-back
+blocks of one kind would take the kept launch both ways.)  The bench matrix times both ways (``sync``
 and ``pipelined.tcov1_side_stream``).  A model
 whose backward leaves the host idle for long GPU kernels may gain from it
 (``capture_stream=True``).
