@@ -136,17 +136,17 @@ def report(name: str, description: str, layers: int, device: torch.device, timin
         f"everything else {(total_c - ours_c) - (total_n - ours_n):+.3f} ms",
         "",
         f"the {top} largest changes per step (capture - normal), then each side's calls per step:",
-        f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
     ]
     return lines + change_rows(n, c, top)
 
 
 def change_rows(normal: dict[str, list[float]], capture: dict[str, list[float]], top: int) -> list[str]:
     """The ``top`` names whose milliseconds per step a capture step changes most ({name:
-    [calls, ms]} per step, each side), largest change first: change, each side's ms and calls."""
+    [calls, ms]} per step, each side), largest change first, under their header: change,
+    each side's ms and calls."""
     n, c = normal, capture
     rows = sorted(set(n) | set(c), key=lambda k: -abs(c.get(k, [0, 0])[1] - n.get(k, [0, 0])[1]))[:top]
-    lines = []
+    lines = [f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name"]
     for k in rows:
         cc, cm = c.get(k, [0.0, 0.0])
         nc, nm = n.get(k, [0.0, 0.0])
@@ -269,7 +269,6 @@ def host_operations(trainer: Trainer, steps: int, top: int) -> list[str]:
         lines += [f"{ph}: outside every recorded operation (Python, hooks' own code), median: normal {n_out:.3f} ms, "
                   f"capture {c_out:.3f} ms ({c_out - n_out:+.3f}); the {top} largest changes per step "
                   f"(capture - normal), then each side's calls per step:",
-                  f"{'change ms':>10} {'capture ms':>11} {'calls':>7} {'normal ms':>10} {'calls':>7}  name",
                   *change_rows(tables[ph]["normal"], tables[ph]["capture"], top)]
     return lines
 

@@ -3,9 +3,10 @@
 ``time_ms``/``median_ms``/``extra_ms`` time one call from an idle device with CUDA events
 (the wall clock on the CPU).  ``elapsed_ms`` times a block with the wall clock between two
 synchronisations, host work included: what a training loop sees.  ``interleaved`` runs
-variants in rotated rounds, ``paired`` spreads their per-round ratios or differences.  ``run_peak`` is the
-allocator's peak over one call (``torch.cuda.max_memory_allocated`` after a reset), or on
-the CPU the peak of the tensors the call creates (``monitor.memory.TemporaryMemory``).
+variants in rotated rounds, ``paired`` spreads their per-round ratios or differences.
+``run_peak`` is the allocator's peak over one call (``torch.cuda.max_memory_allocated``
+after a reset), or on the CPU the peak of the tensors the call creates
+(``monitor.memory.TemporaryMemory``).
 """
 
 from __future__ import annotations
