@@ -81,7 +81,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert "launches" in wl and (wl["launches"] is None) == (not torch.cuda.is_available())  # counted on a GPU
         for kind in ("normal", "capture", "capture_python_hooks"):  # host milliseconds per phase, every one measured
             assert all(host[kind][p]["median"] > 0 and host[kind][p]["n"] >= 1 for p in ("forward", "backward", "step"))
-        assert {"normal_peak_mb", "capture_peak_mb"} <= set(wl["memory"]["adafisher"])
+        assert {"normal_peak_mb", "capture_peak_mb", "capture_side_stream_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
         assert wl["state"]["adafisher_bytes"]["total"] > 0 and wl["state"]["adam_bytes"] > 0
         found = dict(ratio_values(wl, name))
@@ -89,7 +89,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 11 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 12 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
@@ -98,9 +98,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 11 figures, then the callback's 3
-    assert last[-48].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-47:-3])
+    # the goals table prints last: 4 workloads x 12 figures, then the callback's 3
+    assert last[-52].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-51:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
@@ -126,7 +126,8 @@ def synthetic(pipelined=1.0, sync=1.0, capture_ms=0.5, capture_ratio=1.01, peak=
             "sync": {"normal_vs_adam_ratio": med(sync), "capture_above_normal_ms": med(capture_ms),
                      "capture_vs_normal_ratio": med(capture_ratio), "side_vs_current_stream_ratio": med(1.03),
                      "python_hooks_vs_capture_ratio": med(1.1)},
-            "memory": {"capture_vs_normal_ratio": peak}, "optimizer_step": {"vs_adam_ratio": med(step)},
+            "memory": {"capture_vs_normal_ratio": peak, "capture_side_stream_vs_normal_ratio": 1.2},
+            "optimizer_step": {"vs_adam_ratio": med(step)},
             "state": {"vs_adam_ratio": 1.1}}
 
 
@@ -138,6 +139,7 @@ def test_goals_are_judged_against_the_issue_limits():
     assert good["sync capture step, statistics on a side stream vs the current stream"] is None  # a figure, no goal
     assert good["pipelined TCov=1, statistics on a side stream vs the current stream"] is None
     assert good["sync capture step, Python hooks vs C++ gradient taps (the default)"] is None
+    assert good["capture-step peak memory, statistics on a side stream, vs normal"] is None  # not the default
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=10 vs Adam"] is True
@@ -187,6 +189,7 @@ def test_quick_matrix_on_the_gpu(tmp_path):
         params = sum(p.numel() * 4 for p in workloads(torch.device("cuda"), quick=True)[name].make_model().parameters())
         assert mem["adafisher"]["normal_peak_mb"] * 2**20 >= 2 * params, (name, mem)
         assert mem["adafisher"]["capture_peak_mb"] > 0 and mem["adam"]["normal_peak_mb"] > 0
+        assert mem["adafisher"]["capture_side_stream_peak_mb"] * 2**20 >= 2 * params, (name, mem)
         for where, value in ratio_values(wl, name):
             assert math.isfinite(value) and value > 0, (where, value)
 
