@@ -27,7 +27,9 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DEFAULT_BENCH = REPO / "docs" / "results" / "bench-h200.json"
 #: a later matrix-only run (``python -m lightning_cafin.bench --matrix-only``); where it exists
 #: the matrix section is rendered from it, with its own provenance, the rest from the bench
-DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200.json"
+DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100.json"
+#: the matrix run before it, shown beside it (its values and verdicts in two more columns)
+DEFAULT_EARLIER_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200.json"
 DEFAULT_CONVERGENCE = REPO / "docs" / "results" / "convergence-h200" / "convergence.json"
 DEFAULT_MULTIGPU = REPO / "docs" / "results" / "multigpu-h200"
 
@@ -148,12 +150,33 @@ def _launch_text(name: str, w: dict) -> str:
     return f"`{name}` +{launches['added']:.0f} (budget {launches['budget']}{host})"
 
 
-def matrix_section(path: Path) -> Optional[str]:
-    """The workload matrix (what users run, against fused Adam(W)), or None for a bench file without one."""
+def _run_label(prov: dict) -> str:
+    """A run named in a column head: its machine (without the vendor) and short commit."""
+    return f"{prov['machine'].removeprefix('NVIDIA ')} at `{prov['commit'][:7]}`"
+
+
+def _earlier_goals(path: Optional[Path]) -> Optional[tuple[dict, dict, Path]]:
+    """An earlier matrix run's goals by (workload, figure), the run's data and its file, or
+    None where no such file (or no matrix in it) is given."""
+    if path is None or not path.is_file():
+        return None
     data = load_measured(path)
     matrix = data.get("matrix")
     if not matrix:
         return None
+    return {(name, g["figure"]): g for name, w in matrix["workloads"].items() for g in w["goals"]}, data, path
+
+
+def matrix_section(path: Path, earlier: Optional[Path] = None) -> Optional[str]:
+    """The workload matrix (what users run, against fused Adam(W)), or None for a bench file
+    without one.  ``earlier``: a previous matrix run whose values and verdicts go in two
+    more columns beside this run's (a change reads against its run before, where the
+    machines of the two runs may differ: the source lines say which)."""
+    data = load_measured(path)
+    matrix = data.get("matrix")
+    if not matrix:
+        return None
+    before = _earlier_goals(earlier)
     cfg = matrix["config"]
     lines = ["### The workload matrix: AdaFisher against fused Adam(W) where users are", "",
              f"Per workload, AdaFisher's resolved backend against torch's `Adam`/`AdamW(fused=True)` on the same "
@@ -162,14 +185,18 @@ def matrix_section(path: Path) -> Optional[str]:
              f"steps in {cfg['sync_reps']} rotated rounds (paired medians), the optimizer step alone, peak "
              "allocated memory per step type and optimizer state.", ""]
     with_intervals = any("interval" in g for w in matrix["workloads"].values() for g in w["goals"])
-    if with_intervals:
-        lines += ["| workload | figure | value | interval | goal | met |", "|---|---|---|---|---|---|"]
-    else:  # a run from before intervals were measured
-        lines += ["| workload | figure | value | goal | met |", "|---|---|---|---|---|"]
+    head = ["workload", "figure", "value"] + (["interval"] if with_intervals else []) + ["goal", "met"]
+    if before is not None:
+        head += [f"earlier: {_run_label(before[1]['provenance'])}", "met then"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, w in matrix["workloads"].items():
         for goal in w["goals"]:
-            interval = f" {_goal_interval(goal)} |" if with_intervals else ""
-            lines.append(f"| {name} | {goal['figure']} | {_goal_value(goal)} |{interval} {_goal_limit(goal)} | {_met(goal)} |")
+            cells = [name, goal["figure"], _goal_value(goal)] + ([_goal_interval(goal)] if with_intervals else [])
+            cells += [_goal_limit(goal), _met(goal)]
+            if before is not None:
+                then = before[0].get((name, goal["figure"]))
+                cells += ["-", "-"] if then is None else [_goal_value(then), _met(then)]
+            lines.append("| " + " | ".join(cells) + " |")
     if with_intervals:
         lines += ["", INTERVAL_NOTE]
     kept = _kept_text(matrix)
@@ -192,6 +219,10 @@ def matrix_section(path: Path) -> Optional[str]:
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]
+    if before is not None:
+        then_kept = _kept_text(before[1]["matrix"])
+        lines += ["", "The earlier run's columns: " + _source(before[2], before[1]["provenance"]).removeprefix("Source: ")
+                  + (f" {then_kept}" if then_kept else "")]
     return "\n".join(lines)
 
 
@@ -332,13 +363,14 @@ def convergence_section(path: Path) -> str:
 
 
 def results_section(bench: Path, convergence: Path, multigpu: Path = DEFAULT_MULTIGPU,
-                    matrix_file: Optional[Path] = None) -> str:
+                    matrix_file: Optional[Path] = None, earlier_matrix: Optional[Path] = None) -> str:
     """The README's results section; ``matrix_file`` (a matrix-only bench run), where given
-    and present, renders the matrix section instead of ``bench``'s matrix."""
+    and present, renders the matrix section instead of ``bench``'s matrix, with
+    ``earlier_matrix`` (a run before it), where present, beside it."""
     parts = [BEGIN, "## Results", "",
              "_Generated by `python benchmarks/results_readme.py` from the files named below; do not edit._", "",
              bench_section(bench), ""]
-    matrix = matrix_section(matrix_file if matrix_file is not None and matrix_file.is_file() else bench)
+    matrix = matrix_section(matrix_file if matrix_file is not None and matrix_file.is_file() else bench, earlier_matrix)
     if matrix is not None:
         parts += [matrix, ""]
     parts += [callback_section(bench), "", compiled_section(bench), "", multigpu_section(multigpu), ""]
@@ -370,13 +402,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX,
                     help="a matrix-only bench run rendered as the matrix section where the file exists "
                          "(default: %(default)s); the bench file's matrix otherwise")
+    ap.add_argument("--earlier-matrix", type=Path, default=DEFAULT_EARLIER_MATRIX,
+                    help="a matrix run before it, whose values and verdicts go beside its own where the file "
+                         "exists (default: %(default)s)")
     ap.add_argument("--convergence", type=Path, default=DEFAULT_CONVERGENCE)
     ap.add_argument("--multigpu", type=Path, default=DEFAULT_MULTIGPU)
     ap.add_argument("--readme", type=Path, default=REPO / "README.md")
     ap.add_argument("--check", action="store_true", help="do not write; exit 1 if the README is out of date")
     args = ap.parse_args(argv)
     try:
-        section = results_section(args.bench, args.convergence, args.multigpu, args.matrix)
+        section = results_section(args.bench, args.convergence, args.multigpu, args.matrix, args.earlier_matrix)
     except ProvenanceError as exc:
         print(f"results_readme: {exc}", file=sys.stderr)
         return 2

@@ -6,26 +6,37 @@ running the statistics on their own stream lets the GPU overlap the two instead 
 adding the statistics' time to the capture step.
 
 Off by default: the ordering costs the host per layer (an event record and wait, the
-allocator told of two tensors), which a host-bound capture step pays in full.  Measured
-on the H200: once the capture's host work had shrunk (the bench matrix at 44a1b7d) the
-side stream made the step-synchronous capture step 4-5% faster on ResNet-18 fp32,
-ResNet-50 and the GPT, and 3.5% slower on the host-bound bf16 + channels_last ResNet-18
-(1.7% faster there at 3055b31, with the forward's repeated taps in C++);
-in a run at 37a093b its pipelined ResNet-50 capture steps were slower (+10.3 ms above a
-normal step against +6.2) and its GPT ones faster (+2.1 against +2.8), peak memory equal.
-At c34d043 (synchronised steps and blocks of five back-to-back capture steps,
-interleaved, 20 rounds; ms above a normal step, current stream / side stream): ResNet-18
-fp32 1.67 / 1.80 synchronised and 1.24 / 1.48 pipelined, bf16 + channels_last 2.34 / 2.58
-and 2.55 / 3.09, ResNet-50 4.92 / 3.45 and 3.67 / 4.65, the GPT 3.17 / 2.58 and 2.03 /
-1.53, peak memory equal: only the GPT gained both ways, so the default stays off.  (The
-matrix's synchronised figures before 60b20f8, those at 44a1b7d and 3055b31 above
-included, favoured the side stream: its capture steps took the factor update the step
-before kept, the current stream's, timed after a Python-hooks capture step, did not.
-How the c34d043 figures were taken is not recorded beyond the above: back-to-back
-blocks of one kind would take the kept launch both ways.)  The bench matrix times both ways (``sync``
-and ``pipelined.tcov1_side_stream``).  A model
-whose backward leaves the host idle for long GPU kernels may gain from it
-(``capture_stream=True``).
+allocator told of two tensors), which a host-bound capture step pays in full, and the runs
+disagree on whether the overlap pays for it.  Measured so far (capture step's time,
+side stream against current stream; ResNet-18 fp32, bf16 + channels_last, ResNet-50,
+the GPT):
+
+- H100, the bench matrix at 1b851b1, the first run whose timed capture steps all took
+  the factor update kept from the step before (``docs/results/bench-matrix-h100.json``):
+  step-synchronous 0.971x / 0.991x / 0.972x / 0.989x, pipelined at TCov=1 0.960x /
+  0.985x / 0.973x / 0.990x (the bf16 + channels_last pair and ResNet-18's synchronised
+  one within noise of 1); peak memory not measured with the side stream.
+- H200, c34d043 (synchronised steps and blocks of five back-to-back capture steps,
+  interleaved, 20 rounds; ms above a normal step, current / side): ResNet-18 fp32 1.67 /
+  1.80 synchronised and 1.24 / 1.48 pipelined, bf16 + channels_last 2.34 / 2.58 and
+  2.55 / 3.09, ResNet-50 4.92 / 3.45 and 3.67 / 4.65, the GPT 3.17 / 2.58 and 2.03 /
+  1.53, peak memory equal.  How these were taken is not recorded beyond that:
+  back-to-back blocks of one kind would take the kept launch both ways.
+- H200, a run at 37a093b: pipelined ResNet-50 capture steps slower (+10.3 ms above a
+  normal step against +6.2), the GPT's faster (+2.1 against +2.8), peak memory equal.
+- H200, the bench matrix's synchronised figures at 44a1b7d (4-5% faster on ResNet-18
+  fp32, ResNet-50 and the GPT, 3.5% slower on bf16 + channels_last), 3055b31 (1.7%
+  faster there, with the forward's repeated taps in C++), 1f7ae31 (on a host twice as
+  slow: 2.4% faster on ResNet-18 fp32 and the GPT, 0.7% and 1.2% slower on bf16 +
+  channels_last and ResNet-50), 018603b (a slower host still: between 1.3% faster and
+  0.1% slower on all four) and fe5ad38 (0.977x / 1.010x / 0.952x / 0.989x).  All of
+  these favoured the side stream: its capture steps took the kept factor update, the
+  current stream's, timed after a Python-hooks capture step that dropped it (before
+  60b20f8), did not.
+
+An H200 run on the kept launch both ways decides the default.  The bench matrix times
+both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model whose backward leaves
+the host idle for long GPU kernels may gain from it (``capture_stream=True``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the

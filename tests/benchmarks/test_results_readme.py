@@ -151,6 +151,30 @@ def test_the_matrix_says_whether_its_timed_capture_steps_took_the_kept_launch(tm
     assert "as a training run's repeated capture steps do: `toy` 97%." in text
 
 
+def test_an_earlier_matrix_run_goes_beside_this_one(tmp_path):
+    """``earlier``: the run before's value and verdict per figure in two more columns (a
+    dash for a figure it did not have), its source and kept-launch line under the table;
+    an absent file adds nothing."""
+    now = [{"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True},
+           {"figure": "a new figure", "value": 0.97, "unit": "x", "limit": None, "met": None}]
+    then = [{"figure": "sync capture step above normal", "value": 1.4, "unit": "ms", "limit": 1.0, "met": False}]
+    current = _bench_file(tmp_path, _toy_matrix(now))
+    (tmp_path / "then").mkdir()
+    earlier_matrix = _toy_matrix(then)
+    earlier_matrix["workloads"]["toy"]["sync"] = {"capture_above_normal_ms": spread_around(1.4, 30)}
+    earlier = _bench_file(tmp_path / "then", earlier_matrix)
+    prov = json.loads(earlier.read_text())["provenance"]
+    text = readme.matrix_section(current, earlier)
+    label = f"{prov['machine'].removeprefix('NVIDIA ')} at `{prov['commit'][:7]}`"
+    assert f"| workload | figure | value | goal | met | earlier: {label} | met then |" in text
+    assert "| toy | sync capture step above normal | +0.90 ms | <= 1 ms | yes | +1.40 ms | **no** |" in text
+    assert "| toy | a new figure | 0.970x | - | - | - | - |" in text
+    assert f"The earlier run's columns: `{earlier}`, measured on {prov['machine']}" in text
+    assert readme.KEPT_UNRECORDED in text  # the earlier run's steps took the general path
+    alone = readme.matrix_section(current, tmp_path / "absent.json")
+    assert alone == readme.matrix_section(current) and "| earlier: " not in alone and "earlier run's" not in alone
+
+
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 
