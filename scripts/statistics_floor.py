@@ -1,0 +1,153 @@
+"""The least device time a capture step's statistics can take on the bench's workloads: the
+bytes the statistics must read once (every captured layer's input and output gradient), at
+the device's memory bandwidth, beside what the capture-step goal allows.
+
+    python scripts/statistics_floor.py                       # the full-size workloads, on the CPU
+    python scripts/statistics_floor.py --matrix docs/results/bench-matrix-h100.json
+
+Why: the capture-step goals (issue 16) allow 1 ms above a normal step on ResNet-18 and 5% on
+ResNet-50 and the GPT.  The statistics kernels are memory-bound and read each activation and
+gradient at least once; where those reads alone at the peak bandwidth come near the
+allowance, no kernel tuning meets the goal on the current stream, and only overlap with
+the backward's compute (the side stream) or reading less can.
+
+What is counted, per layer the optimizer captures (those with factors after a capture step),
+from one forward of a small batch under the workload's autocast, scaled to the workload's
+batch: the input at the dtype the layer received it (where autograd keeps only an autocast
+copy, e.g. a Linear after a float32 LayerNorm, the statistics read the float32 input in the
+forward, which is what the forward hook sees) and the output gradient at the output's dtype.
+A batch norm or a layer norm with a bias reads neither (its statistics come from the means
+it saved and its bias gradient), so norms count nothing.  The forward runs under the CPU's
+autocast, which gives these workloads' layers the dtypes CUDA's does (the one difference
+that could matter, a layer norm given a bfloat16 input returning float32 on CUDA and
+bfloat16 on the CPU, does not arise: the GPT's layer norms take the float32 residual
+stream).  Not counted: the 3 x 3 convolutions' window sums over their per-position maps, the
+factor update, launch latency: the floor is below any real figure.
+
+Bandwidths: the devices' specification figures (``--bandwidth NAME=TB/s``; by default the
+H100 SXM's 3.35 and the H200's 4.8), since the CPU cannot ask a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_cafin.bench.workloads import NAMES, workloads
+
+DEFAULT_BANDWIDTHS = {"H100": 3.35, "H200": 4.8}
+NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
+def captured_layers(wl, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, nn.Module]:
+    """The layers the workload's optimizer keeps factors for, by name: those with factors
+    after one capture step (the first step captures) on a copy of ``model``."""
+    twin = copy.deepcopy(model)
+    opt = wl.ada_cls(twin, lr=wl.lr, weight_decay=wl.weight_decay)
+    cpu = torch.device("cpu")
+    wl.loss(twin, x, y, cpu).backward()
+    opt.step()
+    modules = dict(model.named_modules())
+    return {name: modules[name] for name in opt.factors()}
+
+
+def statistics_bytes(wl, small: int, batch: Optional[int] = None) -> tuple[int, int, int]:
+    """(input bytes, output-gradient bytes, layers counted) the statistics of one capture
+    step read, from a forward of ``small`` samples of the workload's batch, scaled to
+    ``batch`` samples (default: the workload's batch on this machine)."""
+    cpu = torch.device("cpu")
+    model = wl.model(cpu)
+    x, y = wl.batch(cpu)
+    batch = x.shape[0] if batch is None else batch
+    x, y = x[:small], y[:small]
+    read = {"input": 0, "grad": 0}
+    counted = 0
+
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if isinstance(module, NORMS):
+            return
+        read["input"] += inputs[0].numel() * inputs[0].element_size()
+        read["grad"] += output.numel() * output.element_size()
+
+    handles = []
+    for layer in captured_layers(wl, model, x, y).values():
+        handles.append(layer.register_forward_hook(hook))
+        counted += not isinstance(layer, NORMS)
+    with torch.no_grad(), wl.precision(cpu):
+        model(x)
+    for h in handles:
+        h.remove()
+    scale = batch / small
+    return round(read["input"] * scale), round(read["grad"] * scale), counted
+
+
+def allowance_ms(matrix: Optional[dict], name: str, wl) -> Optional[float]:
+    """What the goal lets a capture step add above a normal step, in ms: 1 ms for the
+    ResNet-18s, 5% of the matrix run's step-synchronous normal step for the others."""
+    if wl.capture_goal == "ms":
+        return 1.0
+    if matrix is None or name not in matrix["workloads"]:
+        return None
+    return 0.05 * matrix["workloads"][name]["sync"]["normal_ms"]["median"]
+
+
+def parse_bandwidths(items: Optional[list[str]]) -> dict[str, float]:
+    if not items:
+        return dict(DEFAULT_BANDWIDTHS)
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"--bandwidth: expected NAME=TB/s (e.g. H100=3.35), got {item!r}") from None
+        if not name or out[name] <= 0:
+            raise SystemExit(f"--bandwidth: expected NAME=TB/s with a positive figure, got {item!r}")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)}, or all (default)")
+    ap.add_argument("--small", type=int, default=2, help="samples in the counted forward (scaled to the batch)")
+    ap.add_argument("--bandwidth", action="append", metavar="NAME=TB/s",
+                    help="a device's memory bandwidth (repeatable; default H100=3.35 and H200=4.8)")
+    ap.add_argument("--matrix", type=Path, help="a bench matrix JSON whose normal steps set the 5%% allowances")
+    ap.add_argument("--resnet50-batch", type=int, default=128,
+                    help="ResNet-50's batch: the bench sizes it to the GPU's memory, 128 on an 80 GB+ one "
+                         "(default %(default)s), which the CPU cannot ask")
+    ap.add_argument("--quick", action="store_true", help="the tiny workloads (a smoke run)")
+    args = ap.parse_args(argv)
+    names = NAMES if args.workload == "all" else (args.workload,)
+    if any(n not in NAMES for n in names):
+        raise SystemExit(f"--workload: unknown workload {args.workload!r}; choose from {', '.join(NAMES)} or all")
+    for flag, value in (("--small", args.small), ("--resnet50-batch", args.resnet50_batch)):
+        if value < 1:
+            raise SystemExit(f"{flag} must be at least 1, got {value}")
+    bandwidths = parse_bandwidths(args.bandwidth)
+    matrix = json.loads(args.matrix.read_text())["matrix"] if args.matrix else None
+    wls = workloads(torch.device("cpu"), quick=args.quick)
+    head = ["workload", "layers", "inputs MB", "gradients MB"] + [f"floor ms {n}" for n in bandwidths] + ["allowance ms"]
+    print(" | ".join(head))
+    for name in names:
+        wl = wls[name]
+        batch = args.resnet50_batch if name == "resnet50" and not args.quick else None
+        inputs, grads, layers = statistics_bytes(wl, args.small, batch)
+        floors = [(inputs + grads) / (tb * 1e12) * 1e3 for tb in bandwidths.values()]
+        allow = allowance_ms(matrix, name, wl)
+        print(" | ".join([name, str(layers), f"{inputs / 1e6:.0f}", f"{grads / 1e6:.0f}"]
+                         + [f"{f:.2f}" for f in floors] + ["-" if allow is None else f"{allow:.2f}"]))
+    if args.matrix:
+        print(f"(allowances from the normal steps of {args.matrix})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
