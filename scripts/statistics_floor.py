@@ -3,7 +3,7 @@ bytes the statistics must read once (every captured layer's input and output gra
 the device's memory bandwidth, beside what the capture-step goal allows.
 
     python scripts/statistics_floor.py                       # the full-size workloads, on the CPU
-    python scripts/statistics_floor.py --matrix docs/results/bench-matrix-h100.json
+    python scripts/statistics_floor.py --matrix docs/results/bench-matrix-h100-1b851b1.json
 
 Why: the capture-step goals (issue 16) allow 1 ms above a normal step on ResNet-18 and 5% on
 ResNet-50 and the GPT.  The statistics kernels are memory-bound and read each activation and

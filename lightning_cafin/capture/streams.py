@@ -12,10 +12,15 @@ side stream against current stream; ResNet-18 fp32, bf16 + channels_last, ResNet
 the GPT):
 
 - H100, the bench matrix at 1b851b1, the first run whose timed capture steps all took
-  the factor update kept from the step before (``docs/results/bench-matrix-h100.json``):
-  step-synchronous 0.971x / 0.991x / 0.972x / 0.989x, pipelined at TCov=1 0.960x /
-  0.985x / 0.973x / 0.990x (the bf16 + channels_last pair and ResNet-18's synchronised
-  one within noise of 1); peak memory not measured with the side stream.
+  the factor update kept from the step before
+  (``docs/results/bench-matrix-h100-1b851b1.json``): step-synchronous 0.971x / 0.991x /
+  0.972x / 0.989x, pipelined at TCov=1 0.960x / 0.985x / 0.973x / 0.990x (the bf16 +
+  channels_last pair and ResNet-18's synchronised one within noise of 1).
+- H100 again, on a fresh machine with a slower, noisier host (11.4 against 10.1 us per
+  torch op), at e984ef8 (``bench-matrix-h100-e984ef8.json``): step-synchronous 0.995x /
+  1.030x / 0.968x / 0.981x, pipelined 1.000x / 1.070x / 0.969x / 0.989x: slower on the
+  host-bound bf16 + channels_last ResNet-18 both ways, faster on ResNet-50 and the GPT.
+  Peak memory of the side stream's capture step 1.000x a normal step's on all four.
 - H200, c34d043 (synchronised steps and blocks of five back-to-back capture steps,
   interleaved, 20 rounds; ms above a normal step, current / side): ResNet-18 fp32 1.67 /
   1.80 synchronised and 1.24 / 1.48 pipelined, bf16 + channels_last 2.34 / 2.58 and
@@ -34,9 +39,14 @@ the GPT):
   current stream's, timed after a Python-hooks capture step that dropped it (before
   60b20f8), did not.
 
-An H200 run on the kept launch both ways decides the default.  The bench matrix times
-both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model whose backward leaves
-the host idle for long GPU kernels may gain from it (``capture_stream=True``).
+On the kept launch both ways, the side stream paid where the backward keeps the device
+busy (ResNet-50, the GPT: 2-3%) and cost where the host is the bottleneck (bf16 +
+channels_last ResNet-18 on the slower host), with no memory cost: a default that chose per
+model (say by a capture step's host time against its device time) could take the gain
+where it exists; none is built, and one H200 run on the kept launch is still wanting.
+The bench matrix times both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model
+whose backward leaves the host idle for long GPU kernels may gain from it
+(``capture_stream=True``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the
