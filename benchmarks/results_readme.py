@@ -216,6 +216,16 @@ def matrix_section(path: Path, earlier: Optional[Path] = None) -> Optional[str]:
                   "package's own. In those units, a step-synchronous capture step's time above a normal step's was "
                   + "; ".join(f"`{name}` {w['sync']['capture_above_normal_ms']['median'] * 1e3 / speed['op_us']['median']:.0f}"
                               for name, w in matrix["workloads"].items()) + " ops."]
+    floors = {n: w["statistics_floor"] for n, w in matrix["workloads"].items()
+              if (w.get("statistics_floor") or {}).get("floor_ms") is not None}
+    if floors:
+        bandwidth = next(iter(floors.values()))["bandwidth_tbs"]
+        lines += ["", "The least device time a capture step's statistics can take, each captured layer's input and "
+                  f"output gradient read once at this device's peak memory bandwidth ({bandwidth:.2f} TB/s; "
+                  "`lightning_cafin/bench/floor.py`): " + "; ".join(
+                      f"`{n}` {f['floor_ms']:.2f} ms ({(f['inputs'] + f['gradients']) / 1e9:.2f} GB)"
+                      for n, f in floors.items()) + ". On the current stream no kernel takes a capture step below "
+                  "its normal step plus this."]
     lines += ["", "Workloads: " + "; ".join(f"`{n}` {w['description']} ({w['backend']})"
                                           for n, w in matrix["workloads"].items()) + ".",
               "", _source(path, data["provenance"])]

@@ -11,18 +11,13 @@ gradient at least once; where those reads alone at the peak bandwidth come near 
 allowance, no kernel tuning meets the goal on the current stream, and only overlap with
 the backward's compute (the side stream) or reading less can.
 
-What is counted, per layer the optimizer captures (those with factors after a capture step),
-from one forward of a small batch under the workload's autocast, scaled to the workload's
-batch: the input at the dtype the layer received it (where autograd keeps only an autocast
-copy, e.g. a Linear after a float32 LayerNorm, the statistics read the float32 input in the
-forward, which is what the forward hook sees) and the output gradient at the output's dtype.
-A batch norm or a layer norm with a bias reads neither (its statistics come from the means
-it saved and its bias gradient), so norms count nothing.  The forward runs under the CPU's
-autocast, which gives these workloads' layers the dtypes CUDA's does (the one difference
-that could matter, a layer norm given a bfloat16 input returning float32 on CUDA and
-bfloat16 on the CPU, does not arise: the GPT's layer norms take the float32 residual
-stream).  Not counted: the 3 x 3 convolutions' window sums over their per-position maps, the
-factor update, launch latency: the floor is below any real figure.
+What is counted, and what is not: ``lightning_cafin/bench/floor.py`` (the bench matrix
+stores the same figure, with the device's own peak bandwidth, as ``statistics_floor``).
+Here the forward runs on the CPU, on a small batch scaled to the workload's, under the
+CPU's autocast, which gives these workloads' layers the dtypes CUDA's does (the one
+difference that could matter, a layer norm given a bfloat16 input returning float32 on
+CUDA and bfloat16 on the CPU, does not arise: the GPT's layer norms take the float32
+residual stream).
 
 Bandwidths: the devices' specification figures (``--bandwidth NAME=TB/s``; by default the
 H100 SXM's 3.35 and the H200's 4.8), since the CPU cannot ask a GPU.
@@ -31,61 +26,17 @@ H100 SXM's 3.35 and the H200's 4.8), since the CPU cannot ask a GPU.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
+from lightning_cafin.bench.floor import floor_ms, statistics_bytes
 from lightning_cafin.bench.workloads import NAMES, workloads
 
 DEFAULT_BANDWIDTHS = {"H100": 3.35, "H200": 4.8}
-NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
-
-
-def captured_layers(wl, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, nn.Module]:
-    """The layers the workload's optimizer keeps factors for, by name: those with factors
-    after one capture step (the first step captures) on a copy of ``model``."""
-    twin = copy.deepcopy(model)
-    opt = wl.ada_cls(twin, lr=wl.lr, weight_decay=wl.weight_decay)
-    cpu = torch.device("cpu")
-    wl.loss(twin, x, y, cpu).backward()
-    opt.step()
-    modules = dict(model.named_modules())
-    return {name: modules[name] for name in opt.factors()}
-
-
-def statistics_bytes(wl, small: int, batch: Optional[int] = None) -> tuple[int, int, int]:
-    """(input bytes, output-gradient bytes, layers counted) the statistics of one capture
-    step read, from a forward of ``small`` samples of the workload's batch, scaled to
-    ``batch`` samples (default: the workload's batch on this machine)."""
-    cpu = torch.device("cpu")
-    model = wl.model(cpu)
-    x, y = wl.batch(cpu)
-    batch = x.shape[0] if batch is None else batch
-    x, y = x[:small], y[:small]
-    read = {"input": 0, "grad": 0}
-    counted = 0
-
-    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        if isinstance(module, NORMS):
-            return
-        read["input"] += inputs[0].numel() * inputs[0].element_size()
-        read["grad"] += output.numel() * output.element_size()
-
-    handles = []
-    for layer in captured_layers(wl, model, x, y).values():
-        handles.append(layer.register_forward_hook(hook))
-        counted += not isinstance(layer, NORMS)
-    with torch.no_grad(), wl.precision(cpu):
-        model(x)
-    for h in handles:
-        h.remove()
-    scale = batch / small
-    return round(read["input"] * scale), round(read["grad"] * scale), counted
 
 
 def allowance_ms(matrix: Optional[dict], name: str, wl) -> Optional[float]:
@@ -139,10 +90,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in names:
         wl = wls[name]
         batch = args.resnet50_batch if name == "resnet50" and not args.quick else None
-        inputs, grads, layers = statistics_bytes(wl, args.small, batch)
-        floors = [(inputs + grads) / (tb * 1e12) * 1e3 for tb in bandwidths.values()]
+        read = statistics_bytes(wl, torch.device("cpu"), args.small, batch)
+        floors = [floor_ms(read, tb * 1e12) for tb in bandwidths.values()]
         allow = allowance_ms(matrix, name, wl)
-        print(" | ".join([name, str(layers), f"{inputs / 1e6:.0f}", f"{grads / 1e6:.0f}"]
+        print(" | ".join([name, str(read.layers), f"{read.inputs / 1e6:.0f}", f"{read.gradients / 1e6:.0f}"]
                          + [f"{f:.2f}" for f in floors] + ["-" if allow is None else f"{allow:.2f}"]))
     if args.matrix:
         print(f"(allowances from the normal steps of {args.matrix})")

@@ -84,6 +84,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert {"normal_peak_mb", "capture_peak_mb", "capture_side_stream_peak_mb"} <= set(wl["memory"]["adafisher"])
         assert wl["memory"]["adafisher"]["capture_peak_mb"] > 0 and wl["memory"]["adam"]["normal_peak_mb"] > 0
         assert wl["state"]["adafisher_bytes"]["total"] > 0 and wl["state"]["adam_bytes"] > 0
+        floor = wl["statistics_floor"]
+        assert floor["inputs"] > 0 and floor["gradients"] > 0 and floor["layers"] >= 2
+        assert (floor["floor_ms"] is None) == (not torch.cuda.is_available())
         found = dict(ratio_values(wl, name))
         assert len(found) >= 20, found
         for where, value in found.items():
@@ -190,6 +193,7 @@ def test_quick_matrix_on_the_gpu(tmp_path):
         assert mem["adafisher"]["normal_peak_mb"] * 2**20 >= 2 * params, (name, mem)
         assert mem["adafisher"]["capture_peak_mb"] > 0 and mem["adam"]["normal_peak_mb"] > 0
         assert mem["adafisher"]["capture_side_stream_peak_mb"] * 2**20 >= 2 * params, (name, mem)
+        assert wl["statistics_floor"]["floor_ms"] > 0 and wl["statistics_floor"]["bandwidth_tbs"] > 0
         for where, value in ratio_values(wl, name):
             assert math.isfinite(value) and value > 0, (where, value)
 

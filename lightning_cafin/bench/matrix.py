@@ -35,6 +35,9 @@ For each workload (``workloads.py``), on the same model, batch and precision:
 * ``optimizer_step``: ``optimizer.step()`` alone (eager, a normal step), blocks of steps
   back to back, interleaved with Adam's.
 * ``state``: optimizer-state bytes (AdaFisher's ``memory_usage()``, Adam's two moments).
+* ``statistics_floor``: the bytes a capture step's statistics must read and, on a GPU, the
+  least device time that takes at its peak bandwidth (``floor.py``): what no kernel tuning
+  can take off a capture step on the current stream.
 * ``launches`` (on a GPU): the device operations of a normal and a capture step, and what
   the capture step adds beside the budget its layers allow (``launches.py``), counted after
   every timing of the run (``add_launch_counts``); ``host_us_per_added_launch`` divides
@@ -60,6 +63,7 @@ from torch import nn
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
 from ..capture_options import CaptureOptions
+from .floor import statistics_floor
 from .goals import goal_rows
 from .launches import capture_launches
 from .timing import (diff, elapsed_ms, free_memory, interleaved, paired, ratio, ratio_of_sums_interval, run_peak,
@@ -363,6 +367,8 @@ def measure(wl: Workload, device: torch.device, cfg: MatrixConfig) -> dict[str, 
         warnings.simplefilter("always")
         result: dict[str, Any] = {"description": wl.description, "optimizer": wl.ada_cls.__name__,
                                   "baseline": f"{wl.adam_cls.__name__}(fused=True)"}
+        result["statistics_floor"] = statistics_floor(wl, device)
+        free_memory(device)
         result["memory"] = measure_memory(wl, device, batch, cfg)
         result.update(measure_sync_step_state(wl, device, batch, cfg))
         result["pipelined"] = measure_pipelined(wl, device, batch, cfg)
@@ -435,6 +441,12 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                          f"(+{launches['added']:.0f}; the layers' budget {launches['budget']}, {launches['layers']})"
                          + ("" if per_op is None else f"; the capture step's extra host time per added one {per_op:.0f} us"))
         lines.append(f"  optimizer step ms: Adam {ms(o['adam_ms'])}; AdaFisher {ms(o['adafisher_ms'])}")
+        floor = r.get("statistics_floor")
+        if floor:
+            at = ("" if floor["floor_ms"] is None
+                  else f": {floor['floor_ms']:.2f} ms at the device's peak {floor['bandwidth_tbs']:.2f} TB/s")
+            lines.append(f"  the statistics read {floor['inputs'] / 1e6:.0f} MB of inputs and "
+                         f"{floor['gradients'] / 1e6:.0f} MB of output gradients ({floor['layers']} layers){at}")
         lines.append(f"  peak MB: Adam {m['adam']['normal_peak_mb']:.1f}; normal {m['adafisher']['normal_peak_mb']:.1f}; "
                      f"capture {m['adafisher']['capture_peak_mb']:.1f}, "
                      f"on a side stream {m['adafisher']['capture_side_stream_peak_mb']:.1f}; "

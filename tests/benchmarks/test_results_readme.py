@@ -175,6 +175,17 @@ def test_an_earlier_matrix_run_goes_beside_this_one(tmp_path):
     assert alone == readme.matrix_section(current) and "| earlier: " not in alone and "earlier run's" not in alone
 
 
+def test_the_statistics_floor_is_rendered_where_the_run_knew_the_bandwidth(tmp_path):
+    goals = [{"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True}]
+    matrix = _toy_matrix(goals)
+    matrix["workloads"]["toy"]["statistics_floor"] = {"inputs": 6 * 10**8, "gradients": 4 * 10**8, "layers": 3,
+                                                      "bandwidth_tbs": None, "floor_ms": None}
+    assert "least device time" not in readme.matrix_section(_bench_file(tmp_path, matrix))  # a CPU run
+    matrix["workloads"]["toy"]["statistics_floor"].update(bandwidth_tbs=4.8, floor_ms=0.2083)
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert "at this device's peak memory bandwidth (4.80 TB/s;" in text and "`toy` 0.21 ms (1.00 GB)." in text
+
+
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
     assert readme.matrix_section(_bench_file(tmp_path, None)) is None
 

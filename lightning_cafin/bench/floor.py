@@ -1,0 +1,106 @@
+"""The least device time a capture step's statistics can take: the bytes they must read
+once (every captured layer's input and output gradient) at the device's peak memory
+bandwidth.
+
+Why: the statistics kernels are memory-bound, so these reads bound a capture step's added
+device time from below, whatever the kernels; beside the capture-step goal (issue 16: 1 ms
+above a normal step on ResNet-18, 5% on ResNet-50 and the GPT) the floor says how much of
+the allowance no kernel tuning can win back on the current stream (only overlap with the
+backward, the side stream, or reading less can), and beside the package's kernel time how
+far those kernels are from it.
+
+What is counted, per layer the optimizer binds, from one forward under the workload's
+autocast (``statistics_bytes``): the input at the dtype the layer received it (where
+autograd keeps only an autocast copy, e.g. a Linear after a float32 LayerNorm, the
+statistics read the float32 input in the forward, which is what a forward hook sees) and
+the output gradient at the output's dtype.  A training batch norm or a layer norm on
+``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means
+it saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
+counted: a 3 x 3 convolution's window sums over its per-position maps, the factor update,
+launch latency: the floor is below any real figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .workloads import Workload
+
+
+@dataclass
+class StatisticsBytes:
+    inputs: int  # bytes of the captured layers' inputs
+    gradients: int  # bytes of their output gradients
+    layers: int  # captured layers whose statistics read both
+
+
+def reads_nothing(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a capture of ``module`` on input ``x`` takes its statistics from what the norm
+    saved (its means and bias gradient) rather than by reading ``x`` and its gradient."""
+    bias = getattr(module, "bias", None)
+    trained_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm):
+        return trained_bias and module.training
+    return isinstance(module, nn.LayerNorm) and trained_bias and x.dim() >= 3
+
+
+def statistics_bytes(wl: Workload, device: torch.device, small: Optional[int] = None,
+                     batch: Optional[int] = None) -> StatisticsBytes:
+    """What one capture step's statistics read on ``wl``, from a forward of its first ``small``
+    samples (all of them where None) on ``device``, scaled to ``batch`` samples (the
+    workload's batch where None): every sample adds the same bytes."""
+    model = wl.model(device)
+    model.train()
+    layers = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay).binding.captures
+    x, _ = wl.batch(device)
+    whole = x.shape[0] if batch is None else batch
+    if small is not None:
+        x = x[:small]
+    read = {"inputs": 0, "gradients": 0, "layers": 0}
+
+    def count(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if reads_nothing(module, inputs[0]):
+            return
+        read["inputs"] += inputs[0].numel() * inputs[0].element_size()
+        read["gradients"] += output.numel() * output.element_size()
+        read["layers"] += 1
+
+    handles = [cap.module.register_forward_hook(count) for cap in layers.values()]
+    try:
+        with torch.no_grad(), wl.precision(device):
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    scale = whole / x.shape[0]
+    return StatisticsBytes(round(read["inputs"] * scale), round(read["gradients"] * scale), read["layers"])
+
+
+def peak_bandwidth(device: torch.device) -> Optional[float]:
+    """The device's peak memory bandwidth in bytes per second, from its memory clock and bus
+    width (double data rate), or None where they are not known (a CPU, an older torch)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8
+
+
+def floor_ms(read: StatisticsBytes, bandwidth: float) -> float:
+    """Milliseconds to read ``read`` once at ``bandwidth`` bytes per second."""
+    return (read.inputs + read.gradients) / bandwidth * 1e3
+
+
+def statistics_floor(wl: Workload, device: torch.device) -> dict[str, Any]:
+    """The bench matrix's ``statistics_floor`` entry: the bytes, the device's peak bandwidth
+    (TB/s) and the floor in ms (both None where the bandwidth is not known)."""
+    read = statistics_bytes(wl, device)
+    bandwidth = peak_bandwidth(device)
+    return {**asdict(read), "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
+            "floor_ms": None if bandwidth is None else floor_ms(read, bandwidth)}

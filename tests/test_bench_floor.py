@@ -1,0 +1,69 @@
+"""``bench/floor.py``: the bytes a capture step's statistics must read, counted per bound
+layer at the dtypes autocast gives, scaled to the batch, and their least device time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.bench.floor import (StatisticsBytes, floor_ms, peak_bandwidth, reads_nothing, statistics_bytes,
+                                         statistics_floor)
+from lightning_cafin.bench.workloads import Workload
+
+CPU = torch.device("cpu")
+
+
+def _toy(autocast, norm=None):
+    """``norm`` (a LayerNorm(8) by default) -> Linear(8, 16) -> Linear(16, 4) on a batch of 6."""
+    return Workload("toy", "a toy", make_model=lambda: nn.Sequential(norm or nn.LayerNorm(8), nn.Linear(8, 16),
+                                                                     nn.Linear(16, 4)),
+                    make_batch=lambda dev: (torch.randn(6, 3, 8, device=dev), torch.randint(0, 4, (6,), device=dev)),
+                    loss_fn=lambda out, y: F.cross_entropy(out.mean(1), y), ada_cls=AdaFisher, lr=1e-3,
+                    weight_decay=0.0, autocast=autocast)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_each_linear_counts_its_input_and_output_gradient_and_the_layer_norm_nothing(autocast):
+    read = statistics_bytes(_toy(autocast), CPU, small=2)
+    assert read.layers == 2  # the layer norm on (B, T, D) is bound but reads neither tensor
+    out = 4 if autocast is None else 2  # a Linear's output (and so its gradient) in the autocast dtype
+    # the first Linear reads the layer norm's float32 output (the float32 input the statistics
+    # read in the forward, not autocast's copy), the second the first's output
+    assert read.inputs == 18 * 8 * 4 + 18 * 16 * out
+    assert read.gradients == 18 * 16 * out + 18 * 4 * out
+    assert statistics_bytes(_toy(autocast), CPU, small=3, batch=12) == StatisticsBytes(2 * read.inputs,
+                                                                                      2 * read.gradients, 2)
+    assert statistics_bytes(_toy(autocast), CPU) == read  # the whole batch, counted as it is
+
+
+def test_a_norm_whose_statistics_need_its_tensors_counts_them():
+    frozen = nn.LayerNorm(8)
+    frozen.bias.requires_grad_(False)
+    for norm in (frozen, nn.GroupNorm(1, 3), nn.LayerNorm(8, bias=False)):
+        read = statistics_bytes(_toy(None, norm), CPU)
+        assert read.layers == 3 and read.inputs == 18 * 8 * 4 * 2 + 18 * 16 * 4, norm
+    x3, x2 = torch.randn(2, 3, 8), torch.randn(2, 8)
+    assert reads_nothing(nn.LayerNorm(8), x3) and not reads_nothing(nn.LayerNorm(8), x2)
+    bn = nn.BatchNorm1d(8)
+    assert reads_nothing(bn, x2) and not reads_nothing(bn.eval(), x2)
+    assert not reads_nothing(nn.SyncBatchNorm(8), x2) and not reads_nothing(nn.Linear(8, 8), x2)
+
+
+def test_the_floor_is_the_bytes_at_the_bandwidth_and_needs_a_known_bandwidth():
+    assert floor_ms(StatisticsBytes(3 * 10**9, 10**9, 5), 4e12) == pytest.approx(1.0)
+    assert peak_bandwidth(CPU) is None
+    entry = statistics_floor(_toy(None), CPU)
+    assert entry["layers"] == 2 and entry["inputs"] > 0 and entry["bandwidth_tbs"] is None and entry["floor_ms"] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_device_reports_a_plausible_peak_bandwidth():
+    tbs = peak_bandwidth(torch.device("cuda")) / 1e12
+    assert 0.1 < tbs < 20, tbs  # an H100 SXM gives 3.35, an H200 4.8
+    entry = statistics_floor(_toy(torch.bfloat16), torch.device("cuda"))
+    assert entry["floor_ms"] == pytest.approx(floor_ms(StatisticsBytes(entry["inputs"], entry["gradients"], 2),
+                                                        entry["bandwidth_tbs"] * 1e12))
