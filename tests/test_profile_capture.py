@@ -3,22 +3,18 @@ the GPU: each op's host time instead of each kernel's device time) and its argum
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_capture.py"
+from .benchmarks.scripts import SCRIPTS
+from .benchmarks.scripts import load as load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("profile_capture", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_capture", SCRIPTS)
 
 
 @pytest.mark.slow

@@ -3,19 +3,14 @@ and its argument errors."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "statistics_floor.py"
+from .benchmarks.scripts import SCRIPTS
+from .benchmarks.scripts import load as load_script
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("statistics_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("statistics_floor", SCRIPTS)
 
 
 def test_a_quick_run_prints_a_floor_per_workload_and_the_allowance(capsys):
