@@ -320,12 +320,11 @@ class KeptLaunch:
     launch is dropped.
     """
 
-    __slots__ = ("caps", "slots", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
+    __slots__ = ("caps", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
 
     def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
                  counts: list[tuple[float, float]]) -> None:
         self.caps = tuple(batch.caps)
-        self.slots = tuple(batch.slots)
         # per layer, what a repeat finds: its kept slot, one tap out, nothing committed in Python
         self.state = [(slot, 1, 0) for slot in batch.slots]
         self.bias = _bias_presence(batch.caps)
@@ -364,13 +363,14 @@ class KeptLaunch:
         (``stamp``) and every layer still holds the slot it was kept with.  A new slot is a
         new object (a slot is never restored), so once a layer has one this launch can never
         serve again, and it would only hold the old factors' tensors."""
-        return stamp == self.stamp and all(map(operator.is_, map(_SLOT, self.caps), self.slots))
+        return stamp == self.stamp and all(map(operator.is_, map(_SLOT, self.caps), map(_FIRST, self.state)))
 
 
 #: a kept launch's per-layer checks (``KeptLaunch.run``): ``(kernel_slot, taps_out, calls
 #: committed in Python)`` (``KernelSlot`` compares by identity), and whether a bias exists
 _KEPT_STATE = operator.attrgetter("kernel_slot", "taps_out", "_pending.calls")
 _SLOT = operator.attrgetter("kernel_slot")
+_FIRST = operator.itemgetter(0)  # (a layer's kept slot, in its ``state``)
 _PARAMETERS = operator.attrgetter("module._parameters")
 _BIAS = operator.methodcaller("get", "bias")
 
