@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning_cafin.bench.goals import format_value
+from lightning_cafin.bench.goals import Goal, format_value
 from lightning_cafin.bench.timing import spread_text
 from lightning_cafin.provenance import REQUIRED_FIELDS
 
@@ -95,9 +95,7 @@ def _goal_value(goal: dict) -> str:
 
 
 def _goal_limit(goal: dict) -> str:
-    if goal["limit"] is None:
-        return "-"
-    return f"<= {goal['limit']:g}" + {"ms": " ms", "count": ""}.get(goal["unit"], "x")
+    return Goal(**goal).goal_text
 
 
 def _met(goal: dict) -> str:
