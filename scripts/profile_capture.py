@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import gc
 import io
 import pstats
 import statistics
@@ -60,7 +59,7 @@ from lightning_cafin import no_capture  # noqa: E402
 from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
 from lightning_cafin.bench.launches import is_device_operation  # noqa: E402
 from lightning_cafin.bench.matrix import PHASES, Trainer, adafisher  # noqa: E402
-from lightning_cafin.bench.timing import sync, time_ms  # noqa: E402
+from lightning_cafin.bench.timing import free_memory, sync, time_ms  # noqa: E402
 from lightning_cafin.capture import taps  # noqa: E402
 from lightning_cafin.provenance import machine_name  # noqa: E402
 
@@ -333,9 +332,7 @@ def profile_workload(name: str, device: torch.device, quick: bool, steps: int, r
     lines += host_operations(trainer, reps, min(top, 15))
     lines += host_profile(trainer, steps, min(top, 15))
     del trainer
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return lines
 
 
