@@ -187,6 +187,13 @@ up ``capture.taps_out`` (the capture held weakly).)doc",
       .def("forget", &lightning_cafin::ForwardTapHook::forget, "Stop repeating: every call goes to the fallback.")
       .def_property_readonly("repeating", &lightning_cafin::ForwardTapHook::repeating)
       .def_property_readonly("fallback", &lightning_cafin::ForwardTapHook::fallback)
+      .def_property_readonly(
+          "forward_then_hook", [](py::object self) { return lightning_cafin::ForwardTapHook::forward_then_hook(self); },
+          R"doc(A function f(module, *args, **kwargs) for the module's forward override (bound to
+the module by a functools.partial): type(module).forward(module, *args, **kwargs), then this
+hook with (module, args, kwargs, output) where module is the one it is registered on;
+returns the forward's output.  One C call where a Python override would add a frame and a
+call of this hook (a new function each time asked, holding this hook).)doc")
       .def_property_readonly("_lightning_cafin_capture", [](const lightning_cafin::ForwardTapHook&) { return true; })
       // a deep copy of a model copies its hook dicts: the hook is shared, as a Python function would be
       .def("__copy__", [](py::object self) { return self; })

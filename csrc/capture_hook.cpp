@@ -3,6 +3,7 @@
 #include "record_op.h"
 
 #include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace py = pybind11;
@@ -12,7 +13,7 @@ namespace {
 
 // Attribute names, interned once (a lookup per call then hashes nothing).
 struct Names {
-  PyObject *training, *parameters, *weight, *epoch, *value, *side, *taps_out, *compiled_autograd_enabled;
+  PyObject *training, *parameters, *weight, *epoch, *value, *side, *taps_out, *compiled_autograd_enabled, *forward;
   PyObject* compiled_autograd_module;
   Names()
       : training(PyUnicode_InternFromString("training")),
@@ -23,6 +24,7 @@ struct Names {
         side(PyUnicode_InternFromString("side")),
         taps_out(PyUnicode_InternFromString("taps_out")),
         compiled_autograd_enabled(PyUnicode_InternFromString("compiled_autograd_enabled")),
+        forward(PyUnicode_InternFromString("forward")),
         compiled_autograd_module(PyUnicode_InternFromString("torch._dynamo.compiled_autograd")) {}
 };
 const Names& names() {
@@ -64,6 +66,14 @@ bool compiled_autograd_enabled() {
   return module != nullptr && is_true(module, n.compiled_autograd_enabled);
 }
 
+// The capsule behind forward_then_hook: the hook's C++ object, its Python object as the
+// context (a strong reference, dropped with the capsule).
+const char* const kCapsule = "lightning_cafin.ForwardTapHook";
+
+void drop_capsule(PyObject* capsule) {
+  Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule)));
+}
+
 }  // namespace
 
 ForwardTapHook::ForwardTapHook(py::object fallback, py::handle module, py::object epoch_holder,
@@ -94,20 +104,73 @@ void ForwardTapHook::repeat(py::handle capture, py::object gate, const at::Tenso
 
 py::object ForwardTapHook::call(py::handle module, py::handle args, py::handle kwargs, py::handle output) {
   LIGHTNING_CAFIN_RECORD_OP("ForwardTapHook");
-  if (repeat_ && tapped(*repeat_, module.ptr(), args.ptr(), output.ptr())) return py::none();
+  PyObject* const a = args.ptr();
+  PyObject* const x = PyTuple_Check(a) && PyTuple_GET_SIZE(a) >= 1 ? PyTuple_GET_ITEM(a, 0) : nullptr;
+  if (repeat_ && tapped(*repeat_, module.ptr(), x, output.ptr())) return py::none();
   const py::object hook = fallback();
   if (hook.is_none()) return py::none();  // its owner is gone: nothing is bound to this module
   return hook(module, args, kwargs, output);
 }
 
-bool ForwardTapHook::tapped(const Repeat& r, PyObject* module, PyObject* args, PyObject* output) const {
+py::object ForwardTapHook::forward_then_hook(py::object self) {
+  static PyMethodDef def = {"forward_then_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+                                                     &ForwardTapHook::forward_then_hook_call)),
+                            METH_FASTCALL | METH_KEYWORDS,
+                            "f(module, *args, **kwargs): type(module).forward(module, *args, **kwargs), then the "
+                            "module's ForwardTapHook; returns the forward's output."};
+  auto* hook = self.cast<ForwardTapHook*>();
+  auto capsule = py::reinterpret_steal<py::object>(PyCapsule_New(hook, kCapsule, drop_capsule));
+  if (!capsule || PyCapsule_SetContext(capsule.ptr(), self.inc_ref().ptr()) != 0) throw py::error_already_set();
+  auto function = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, capsule.ptr(), nullptr));
+  if (!function) throw py::error_already_set();
+  return function;
+}
+
+PyObject* ForwardTapHook::forward_then_hook_call(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs,
+                                                 PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  auto* hook = static_cast<ForwardTapHook*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (hook == nullptr) return nullptr;
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "forward_then_hook: the module must be the first argument");
+    return nullptr;
+  }
+  PyObject* const module = args[0];
+  auto forward = py::reinterpret_steal<py::object>(
+      PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(module)), names().forward));
+  if (!forward) return nullptr;
+  auto output = py::reinterpret_steal<py::object>(PyObject_Vectorcall(forward.ptr(), args, nargs, kwnames));
+  if (!output) return nullptr;
+  hook->after_forward(module, args + 1, nargs - 1, kwnames, output.ptr());
+  return output.release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+void ForwardTapHook::after_forward(PyObject* module, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
+                                   PyObject* output) {
+  LIGHTNING_CAFIN_RECORD_OP("ForwardTapHook");
+  if (PyWeakref_GetObject(module_ref_.ptr()) != module) return;  // (not the module this hook is on)
+  if (repeat_ && tapped(*repeat_, module, nargs >= 1 ? args[0] : nullptr, output)) return;
+  const py::object hook = fallback();
+  if (hook.is_none()) return;
+  // the forward's arguments as nn.Module hands them to a forward hook with kwargs
+  py::tuple positional(nargs);
+  for (Py_ssize_t i = 0; i < nargs; ++i) positional[i] = py::reinterpret_borrow<py::object>(args[i]);
+  py::dict keywords;
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t i = 0; i < nkw; ++i) {
+    keywords[py::handle(PyTuple_GET_ITEM(kwnames, i))] = py::handle(args[nargs + i]);
+  }
+  hook(py::handle(module), positional, keywords, py::handle(output));  // (its result is not the output's)
+}
+
+bool ForwardTapHook::tapped(const Repeat& r, PyObject* module, PyObject* x_obj, PyObject* output) const {
   const Names& n = names();
   if (PyWeakref_GetObject(module_ref_.ptr()) != module) return false;
   // the owner's gate, open at the current settings epoch (step-level conditions)
   const long long epoch = int_attr(r.gate.ptr(), n.epoch, -1);
   if (epoch < 0 || epoch != int_attr(epoch_holder_.ptr(), n.value, -2)) return false;
-  if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1 || !THPVariable_Check(output)) return false;
-  PyObject* x_obj = PyTuple_GET_ITEM(args, 0);
+  if (x_obj == nullptr || !THPVariable_Check(output)) return false;
   if (!THPVariable_Check(x_obj) || !at::GradMode::is_enabled() || !is_true(module, n.training)) return false;
   const at::Tensor& x = THPVariable_Unpack(x_obj);
   const at::Tensor& out = THPVariable_Unpack(output);

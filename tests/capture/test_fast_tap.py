@@ -273,3 +273,72 @@ def test_a_profiled_capture_step_records_the_extensions_host_calls(kernels_on_cp
     holding = [e for e in prof.events() if e.name == "lightning_cafin::tap"
                and any(child.name == "aten::detach" for child in e.cpu_children)]
     assert len(holding) == 3
+
+
+def _after_repeated_taps() -> tuple[Tapped, AdaFisher]:
+    """A model whose layers repeat their taps, armed for the next (capture) step."""
+    torch.manual_seed(0)
+    model = Tapped()
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+    for _ in range(2):
+        _capture_step(model, opt, set())
+    opt.zero_grad()
+    return model, opt
+
+
+def _overridden_by_the_cpp_hook(module: nn.Module) -> bool:
+    override = vars(module).get("forward")
+    return override is not None and getattr(override.func, "__name__", "") == "forward_then_hook"
+
+
+def test_an_armed_layer_runs_its_forward_and_its_cpp_hook_in_one_call(kernels_on_cpu, monkeypatch):  # noqa: F811
+    """Once its hook is the C++ one, a layer's forward override is that hook's
+    ``forward_then_hook``: the class's forward, then the hook.  A forward given its input by
+    keyword is no repeat: the Python hook gets the keywords as nn.Module passes them and taps
+    it itself.  Errors of the forward reach the caller unchanged."""
+    model, opt = _after_repeated_taps()
+    assert all(_overridden_by_the_cpp_hook(getattr(model, n)) for n in ("conv", "bn", "ln", "fc", "extra"))
+    cap = opt.binding.captures["fc"]
+    asked = _plans_asked(monkeypatch)
+    _capture_step(model, opt, asked)  # (conv's forward opens the step's gate)
+    opt.zero_grad()
+    model(torch.randn(4, 3, 5, 5))  # the gate opened again
+    before = cap.taps_out
+    asked.clear()
+    x = torch.randn(4, 4)  # (fc's input in the model's forward: the repeat's shapes)
+    out = model.fc(x)
+    torch.testing.assert_close(out, nn.functional.linear(x, model.fc.weight, model.fc.bias), rtol=0, atol=0)
+    assert cap.taps_out == before + 1 and "fc" not in asked  # repeated in C++
+    out = model.fc(input=x)
+    torch.testing.assert_close(out, nn.functional.linear(x, model.fc.weight, model.fc.bias), rtol=0, atol=0)
+    assert cap.taps_out == before + 2 and "fc" in asked  # the general path's tap
+    with pytest.raises(RuntimeError) as got:
+        model.fc(torch.randn(3, 7))
+    with pytest.raises(RuntimeError) as want:
+        nn.Linear.forward(model.fc, torch.randn(3, 7))
+    assert str(got.value) == str(want.value)
+    with pytest.raises(TypeError, match="forward"):
+        model.fc()
+    assert cap.taps_out == before + 2
+
+
+def test_a_model_pickled_or_copied_with_the_cpp_override_gets_the_python_one(kernels_on_cpu):  # noqa: F811
+    """``torch.save`` and ``copy.deepcopy`` of a model armed with the C++ hooks' overrides
+    give overrides of ``_capturing_forward`` bound to the copy (a C++ hook can be neither):
+    the loaded model computes as the original and adds no statistics to it."""
+    import io
+
+    model, opt = _after_repeated_taps()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 5, 5)
+    taps_before = {n: cap.taps_out for n, cap in opt.binding.captures.items()}
+    want = model(x)
+    for other in (loaded, twin):
+        assert not _overridden_by_the_cpp_hook(other.fc) and vars(other.fc)["forward"].args == (other.fc,)
+        torch.testing.assert_close(other(x), want, rtol=0, atol=0)
+    caps = opt.binding.captures
+    assert {n: caps[n].taps_out - taps_before[n] for n in caps} == {n: 1 for n in caps}  # model(x)'s only
