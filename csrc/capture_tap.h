@@ -113,7 +113,7 @@ struct TapPlan {
           bool grad_square, double grad_div, double hn, double sn, double mean_scale = 0.0);
 };
 
-// `x` is held (detached) until the hook fires.
+// `x` is held (itself: a module returning its input, detached) until the hook fires.
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
                   bool side);

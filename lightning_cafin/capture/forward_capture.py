@@ -126,7 +126,7 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     rule = capture.rule
     if where == saved_tensors.NONE and _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
         if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output):
-            return  # (the tap holds x detached)
+            return  # (the tap holds x)
         x = x.detach()
         # The input's statistics are computed with the gradient's, in the backward pass,
         # where the host has time to spare (the forward is launch-bound).  Holding x
