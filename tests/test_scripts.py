@@ -82,3 +82,60 @@ def test_an_install_that_would_not_fit_stops_before_pip_and_says_what_to_free(pr
     assert run.returncode == 1
     assert _calls(project) == []
     assert "GB free" in run.stderr and "VENV=" in run.stderr and "TMPDIR=" in run.stderr
+
+
+def _ab_tree(tmp_path: Path, bench_fails_on: str = "") -> Path:
+    """A checkout holding the two scripts and a file the patch changes, and a stand-in
+    python3 whose 'bench' prints a capture-step row naming the file's content."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("gpu_ab.sh", "gpu_env.sh"):
+        shutil.copy(REPO / "scripts" / name, tree / "scripts" / name)
+    (tree / "speed.txt").write_text("slow\n")
+    (tmp_path / "b.patch").write_text("--- a/speed.txt\n+++ b/speed.txt\n@@ -1 +1 @@\n-slow\n+fast\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python3"
+    python.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *loader*) exit 0 ;;\n'
+        f'  *bench*) if [ "$(cat speed.txt)" = "{bench_fails_on}" ]; then echo boom; exit 1; fi\n'
+        '    echo "resnet18-bf16cl  sync capture step above normal  $(cat speed.txt)" ;;\n'
+        "esac\n")
+    python.chmod(0o755)
+    return tree
+
+
+def _run_ab(tmp_path: Path, tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(tree / "scripts" / "gpu_ab.sh"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                                          **env})
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="gpu_ab.sh applies its patch with git apply")
+def test_gpu_ab_alternates_the_checkout_and_the_patched_one_and_leaves_the_checkout_as_it_was(tmp_path):
+    tree = _ab_tree(tmp_path)
+    done = _run_ab(tmp_path, tree, "b.patch", AB_ROUNDS="2")
+    assert done.returncode == 0, done.stderr
+    table = [line.split() for line in done.stdout.splitlines()]
+    # the rows last, side A's rounds then side B's: A ran the checkout, B the patched one
+    assert [(row[1], row[2], row[-1]) for row in table] == [("1", "A", "slow"), ("2", "A", "slow"),
+                                                            ("1", "B", "fast"), ("2", "B", "fast")]
+    assert (tree / "speed.txt").read_text() == "slow\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ab.txt", "bench-A.log", "bench-B.log",
+                                                                     "build-A.log", "build-B.log"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="gpu_ab.sh applies its patch with git apply")
+def test_gpu_ab_refuses_a_missing_or_stale_patch_and_restores_the_checkout_after_a_failure(tmp_path):
+    tree = _ab_tree(tmp_path, bench_fails_on="fast")
+    missing = _run_ab(tmp_path, tree, "none.patch")
+    assert missing.returncode == 2 and "usage: bash scripts/gpu_ab.sh PATCH" in missing.stderr
+    assert _run_ab(tmp_path, tree, "b.patch", AB_ROUNDS="0").returncode == 2
+    failed = _run_ab(tmp_path, tree, "b.patch")  # side B's bench fails
+    assert failed.returncode == 1 and "side B's bench failed" in failed.stderr and "boom" in failed.stderr
+    assert (tree / "speed.txt").read_text() == "slow\n"  # the patch taken out again
+    (tree / "speed.txt").write_text("other\n")
+    stale = _run_ab(tmp_path, tree, "b.patch")
+    assert stale.returncode == 2 and "does not apply" in stale.stderr
