@@ -31,20 +31,22 @@ applied=0
 take_out() { if [ "$applied" = 1 ]; then git apply -R "$patch_file" && applied=0; fi; }
 trap take_out EXIT
 
+failed() {  # failed(what, log): say so with the log's end, and stop (the EXIT trap takes the patch out)
+  echo "gpu_ab.sh: $1 failed (the end of $2):" >&2
+  tail -20 "$2" >&2
+  exit 1
+}
+
 side() {  # side(A|B, round): the tree as that side, its build, one bench run
   local name="$1" round="$2"
   if [ "$name" = B ] && [ "$applied" = 0 ]; then git apply "$patch_file" && applied=1; fi
   if [ "$name" = A ]; then take_out; fi
-  if ! python3 -m lightning_cafin.kernels.loader --build >> "$OUT/build-$name.log" 2>&1; then
-    echo "gpu_ab.sh: side $name's build failed (the end of $OUT/build-$name.log):" >&2
-    tail -20 "$OUT/build-$name.log" >&2
-    exit 1
-  fi
+  python3 -m lightning_cafin.kernels.loader --build >> "$OUT/build-$name.log" 2>&1 \
+    || failed "side $name's build" "$OUT/build-$name.log"
   echo "== round $round, side $name" >> "$OUT/bench-$name.log"
   # shellcheck disable=SC2086  # (AB_BENCH_ARGS: words on purpose)
   python3 -m lightning_cafin.bench --matrix-only --only "${AB_ONLY:-resnet18-bf16cl}" --out "/tmp/ab-$name-$round" \
-      ${AB_BENCH_ARGS:-} > "/tmp/ab-$name-$round.log" 2>&1 || { echo "gpu_ab.sh: side $name's bench failed:" >&2;
-      tail -20 "/tmp/ab-$name-$round.log" >&2; exit 1; }
+      ${AB_BENCH_ARGS:-} > "/tmp/ab-$name-$round.log" 2>&1 || failed "side $name's bench" "/tmp/ab-$name-$round.log"
   cat "/tmp/ab-$name-$round.log" >> "$OUT/bench-$name.log"
   grep -E "$rows" "/tmp/ab-$name-$round.log" | sed "s/^/round $round $name  /" >> "$OUT/ab.txt"
 }

@@ -133,10 +133,7 @@ class _Slot:
             self.python_hook = forward.hook
             self.cpp_hook = cls(forward.hook, module, SettingsEpoch, saved_tensors.top_reader())
             forward.hook = self.cpp_hook
-            if self.overriding:
-                self._set_override(module)  # (the C++ hook's own override from the next forward)
-            elif self.armed:
-                forward.put(True)  # (the same key: its place first in the dict is kept)
+            self._hook_replaced(module)  # (overriding: the C++ hook's own override from the next forward)
         return self.cpp_hook
 
     def forget_repeat(self) -> None:
@@ -149,11 +146,17 @@ class _Slot:
         hook, self.cpp_hook = self.cpp_hook, None
         if hook is not None and self.forward is not None and self.python_hook is not None:
             self.forward.hook, self.python_hook = self.python_hook, None
-            module = self.module()
-            if self.overriding and module is not None:
+            self._hook_replaced(self.module())
+
+    def _hook_replaced(self, module: Optional[nn.Module]) -> None:
+        """After ``forward.hook`` changed: the override made anew where the hook overrides the
+        forward (of a module still alive), else, armed, the new hook put in the dict (the same
+        key: its place first is kept)."""
+        if self.overriding:
+            if module is not None:
                 self._set_override(module)
-            elif self.armed:
-                self.forward.put(True)
+        elif self.armed and self.forward is not None:
+            self.forward.put(True)
 
     def set_armed(self, armed: bool) -> None:
         # never out once anything compiled; the owner's can_disarm() keeps the watcher registered
@@ -190,7 +193,7 @@ class _Slot:
     def _set_override(self, module: nn.Module) -> None:
         """Set the module's forward override: the C++ hook's ``forward_then_hook`` once there
         is one (the class's forward and the hook in one C call), else ``_capturing_forward``."""
-        function = getattr(self.cpp_hook, "forward_then_hook", None) if self.cpp_hook is not None else None
+        function = getattr(self.cpp_hook, "forward_then_hook", None)
         module.__dict__["forward"] = _Override(function if function is not None else _capturing_forward, module)
 
     def _put(self, on: bool) -> None:
