@@ -1,0 +1,189 @@
+"""How close the capture statistics come to the memory bandwidth, layer by layer, on the
+bench's workloads: each captured layer's one statistics call (what a tap runs when the
+layer's output gradient arrives) timed on that layer's real input and output gradient,
+beside torch's own full reduction of the same two tensors.
+
+    python scripts/statistics_bandwidth.py --workload resnet50
+    python scripts/statistics_bandwidth.py --quick --device cpu --workload resnet18   # a smoke run
+
+Why: the statistics kernels are memory-bound, so their device time is bytes over the
+bandwidth they reach.  ``profile_capture.py`` gives their time per kernel name, summed over
+layers; ``statistics_floor.py`` the bytes at the peak bandwidth.  Neither says which layers'
+reads fall short, nor whether another kernel reads the same bytes faster.  This does:
+torch's ``sum`` of both tensors (one reduction kernel each, a well-tuned read) is a
+bandwidth that a read of those bytes demonstrably reaches on this device; where the
+package's call is slower than it, the kernel (or its grid) leaves bandwidth unused, and
+the layers' shapes say where.
+
+What is timed per layer: ``FusedStats.run`` (the extension's ``layer_stats``: the input's
+statistics and the gradient's, with their allocation of the two small outputs), and
+``x.sum(dtype=float32)`` plus ``g.sum(dtype=float32)``; interleaved, ``--rounds`` rounds of
+``--reps`` calls each between two CUDA events, the median per call.  Norms whose capture
+reads neither tensor (a training batch norm, a layer norm with a bias: they use the means
+autograd saved) are left out, as in the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
+from lightning_cafin.bench.workloads import NAMES, Workload, workloads
+from lightning_cafin.kernels import load_extension
+
+
+@dataclass
+class LayerPair:
+    """One captured layer's statistics call and the two tensors it reads."""
+
+    name: str
+    x: Tensor
+    grad: Tensor
+    run: Callable[[], object]  # the package's statistics call on (x, grad)
+    what: str  # how the input is read: "window" (convolution window sums) or "rows" (per-channel)
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.numel() * self.x.element_size() + self.grad.numel() * self.grad.element_size()
+
+    def describe(self) -> str:
+        layout = "cl" if self.x.dim() == 4 and self.x.is_contiguous(memory_format=torch.channels_last) \
+            and not self.x.is_contiguous() else ""
+        dtype = str(self.x.dtype).replace("torch.", "")
+        return f"{tuple(self.x.shape)} {dtype}{' ' + layout if layout else ''} -> {tuple(self.grad.shape)}"
+
+
+def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
+    """Every captured layer's (input, output gradient) from one forward and backward of the
+    workload's batch, with the statistics call the layer's rule plans for that pair."""
+    ext = load_extension()
+    model = wl.model(device)
+    model.train()
+    captures = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay).binding.captures
+    seen: dict[str, list] = {}
+
+    def keep(name: str):
+        def hook(module: torch.nn.Module, inputs: tuple, output: Tensor) -> None:
+            if reads_nothing(module, inputs[0]):
+                return
+            entry = seen[name] = [inputs[0].detach(), None]
+            output.register_hook(lambda g: entry.__setitem__(1, g.detach()))
+        return hook
+
+    handles = [cap.module.register_forward_hook(keep(name)) for name, cap in captures.items()]
+    try:
+        x, y = wl.batch(device)
+        wl.loss(model, x, y, device).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    pairs = []
+    for name, (inp, grad) in seen.items():
+        if grad is None:
+            continue
+        stats = captures[name].fused_stats(inp, grad)
+        if stats is None:
+            continue
+        pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
+                               "window" if stats.input_op[0] == 1 else "rows"))
+    return pairs
+
+
+def time_per_call(fns: list[Callable[[], object]], device: torch.device, reps: int, rounds: int) -> list[float]:
+    """Median microseconds per call of each of ``fns``, interleaved round by round."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for fn in fns:  # (a warm-up call each: first launches, allocator)
+        fn()
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[i].append(start.elapsed_time(end) * 1e3 / reps)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                samples[i].append((time.perf_counter() - t0) * 1e6 / reps)
+    return [statistics.median(s) for s in samples]
+
+
+def torch_read(pair: LayerPair) -> Callable[[], object]:
+    return lambda: (pair.x.sum(dtype=torch.float32), pair.grad.sum(dtype=torch.float32))
+
+
+def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int) -> str:
+    pairs = layer_pairs(wl, device)
+    rows = []
+    for p in pairs:
+        ours, ref = time_per_call([p.run, torch_read(p)], device, reps, rounds)
+        rows.append((p, ours, ref))
+    peak = peak_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"workload {wl.name}: {wl.description}; {len(pairs)} layers whose statistics read their tensors; {name}"
+             + (f", peak {peak / 1e12:.2f} TB/s" if peak else "")]
+
+    def gbs(nbytes: float, us: float) -> float:
+        return nbytes / (us * 1e-6) / 1e9 if us > 0 else float("nan")
+
+    for what in ("window", "rows", "all"):
+        chosen = [r for r in rows if what == "all" or r[0].what == what]
+        if not chosen:
+            continue
+        nbytes = sum(r[0].nbytes for r in chosen)
+        ours, ref = sum(r[1] for r in chosen), sum(r[2] for r in chosen)
+        lines.append(f"  {what:>6}: {len(chosen):3d} layers, {nbytes / 1e6:9.1f} MB: package {ours:9.1f} us"
+                     f" ({gbs(nbytes, ours):6.0f} GB/s), torch sum {ref:9.1f} us ({gbs(nbytes, ref):6.0f} GB/s),"
+                     f" package / torch {ours / ref:5.2f}x" + (f", floor {nbytes / peak * 1e6:8.1f} us" if peak else ""))
+    lines.append(f"the {min(top, len(rows))} layers where the package takes most above torch's read (us per call):")
+    lines.append(f"  {'above':>8} {'package':>8} {'torch':>8} {'GB/s':>6}  {'MB':>7}  how    layer: input -> gradient")
+    for p, ours, ref in sorted(rows, key=lambda r: r[2] - r[1])[:top]:
+        lines.append(f"  {ours - ref:+8.1f} {ours:8.1f} {ref:8.1f} {gbs(p.nbytes, ours):6.0f}  {p.nbytes / 1e6:7.1f}"
+                     f"  {p.what:<6} {p.name}: {p.describe()}")
+    return "\n".join(lines)
+
+
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run: ATen stands in)")
+    ap.add_argument("--quick", action="store_true", help="the tiny workloads")
+    ap.add_argument("--reps", type=int, default=10, help="calls between two events (default 10)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per layer (default 5)")
+    ap.add_argument("--top", type=int, default=15, help="layers listed per workload (default 15)")
+    args = ap.parse_args(argv)
+    if args.workload != "all" and args.workload not in NAMES:
+        raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
+    for flag in ("reps", "rounds", "top"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.device not in ("cuda", "cpu"):
+        raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu --quick for a smoke run)")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse(argv)
+    device = torch.device(args.device)
+    every = workloads(device, args.quick)
+    for name in NAMES if args.workload == "all" else [args.workload]:
+        print(report(every[name], device, args.reps, args.rounds, args.top), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""``scripts/statistics_bandwidth.py``: the layers it times are the ones whose statistics read
+their tensors (the floor's count), its report's shape on a CPU smoke run, and its argument
+errors.  (Its figures mean something on a GPU only; there the extension's kernels run.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_cafin.bench.floor import statistics_bytes
+from lightning_cafin.bench.workloads import workloads
+from lightning_cafin.kernels.loader import extension_if_built
+
+from .benchmarks.scripts import SCRIPTS
+from .benchmarks.scripts import load as load_script
+
+CPU = torch.device("cpu")
+
+
+def load():
+    return load_script("statistics_bandwidth", SCRIPTS)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = extension_if_built()
+    if module is None or not hasattr(module, "layer_stats"):
+        why = "the extension is not built here (python -m lightning_cafin.kernels.loader --build)"
+        if os.environ.get("CAFIN_REQUIRE_EXTENSION") == "1":
+            pytest.fail(why + ", and CAFIN_REQUIRE_EXTENSION=1 requires it")
+        pytest.skip(why)
+    return module
+
+
+@pytest.mark.parametrize("name", ["resnet50", "gpt"])
+def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_sums(ext, name):
+    wl = workloads(CPU, quick=True)[name]
+    pairs = load().layer_pairs(wl, CPU)
+    counted = statistics_bytes(wl, CPU)
+    assert len(pairs) == counted.layers
+    assert sum(p.nbytes for p in pairs) == counted.inputs + counted.gradients
+    assert {p.what for p in pairs} == ({"window", "rows"} if name == "resnet50" else {"rows"})
+    for p in pairs[:5]:
+        h, s = p.run()
+        assert torch.isfinite(h).all() and torch.isfinite(s).all() and s.numel() == p.grad.shape[1 if p.grad.dim() == 4 else -1]
+
+
+def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):
+    assert load().main(["--quick", "--device", "cpu", "--workload", "resnet18", "--reps", "1", "--rounds", "1",
+                        "--top", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("workload resnet18: ") and "21 layers whose statistics read their tensors; CPU" in lines[0]
+    totals = {line.split(":")[0].strip(): line for line in lines[1:4]}
+    assert set(totals) == {"window", "rows", "all"} and "21 layers" in totals["all"]
+    assert lines[4].startswith("the 3 layers where the package takes most")
+    assert len(lines) == 6 + 3 and all(" layer" in line or ": (" in line for line in lines[6:])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "resnet99"], "--workload: unknown workload 'resnet99'"),
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--device", "tpu"], "--device: expected cuda or cpu"),
+])
+def test_bad_arguments_are_refused_naming_the_flag(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        load().parse(["--device", "cpu"] + argv)
+
+
+def test_cuda_without_a_gpu_is_refused_with_the_smoke_run_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="pass --device cpu --quick"):
+        load().parse([])
