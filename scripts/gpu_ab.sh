@@ -9,7 +9,9 @@
 #
 # Each round builds the extension for the side's sources (built once per side: the build
 # cache keys on the sources) and runs the bench's matrix for $AB_ONLY (default
-# resnet18-bf16cl; a comma list) with $AB_BENCH_ARGS; $AB_ROUNDS rounds (default 2).  Logs
+# resnet18-bf16cl; a comma list) with $AB_BENCH_ARGS, or $AB_CMD instead where set (a shell
+# command, e.g. a kernel-level measure such as scripts/statistics_bandwidth.py, whose device
+# times move less between runs than a train step's); $AB_ROUNDS rounds (default 2).  Logs
 # under $OUT (one per side, appended), the rows named by $AB_ROWS (default: the step-synchronous
 # capture step and the host's price of a launch) last, per round and side.  The checkout is
 # left as it was found (the patch taken out again), also after a failure.
@@ -44,9 +46,13 @@ side() {  # side(A|B, round): the tree as that side, its build, one bench run
   python3 -m lightning_cafin.kernels.loader --build >> "$OUT/build-$name.log" 2>&1 \
     || failed "side $name's build" "$OUT/build-$name.log"
   echo "== round $round, side $name" >> "$OUT/bench-$name.log"
-  # shellcheck disable=SC2086  # (AB_BENCH_ARGS: words on purpose)
-  python3 -m lightning_cafin.bench --matrix-only --only "${AB_ONLY:-resnet18-bf16cl}" --out "/tmp/ab-$name-$round" \
-      ${AB_BENCH_ARGS:-} > "/tmp/ab-$name-$round.log" 2>&1 || failed "side $name's bench" "/tmp/ab-$name-$round.log"
+  if [ -n "${AB_CMD:-}" ]; then
+    bash -c "$AB_CMD" > "/tmp/ab-$name-$round.log" 2>&1 || failed "side $name's AB_CMD" "/tmp/ab-$name-$round.log"
+  else
+    # shellcheck disable=SC2086  # (AB_BENCH_ARGS: words on purpose)
+    python3 -m lightning_cafin.bench --matrix-only --only "${AB_ONLY:-resnet18-bf16cl}" --out "/tmp/ab-$name-$round" \
+        ${AB_BENCH_ARGS:-} > "/tmp/ab-$name-$round.log" 2>&1 || failed "side $name's bench" "/tmp/ab-$name-$round.log"
+  fi
   cat "/tmp/ab-$name-$round.log" >> "$OUT/bench-$name.log"
   grep -E "$rows" "/tmp/ab-$name-$round.log" | sed "s/^/round $round $name  /" >> "$OUT/ab.txt"
 }

@@ -128,6 +128,19 @@ def test_gpu_ab_alternates_the_checkout_and_the_patched_one_and_leaves_the_check
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="gpu_ab.sh applies its patch with git apply")
+def test_gpu_ab_runs_ab_cmd_instead_of_the_bench_and_keeps_its_rows(tmp_path):
+    tree = _ab_tree(tmp_path, bench_fails_on="slow")  # the bench would fail: AB_CMD runs instead
+    done = _run_ab(tmp_path, tree, "b.patch", AB_ROUNDS="1", AB_CMD="echo kernel $(cat speed.txt); echo noise",
+                   AB_ROWS="^kernel")
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[1:] for line in done.stdout.splitlines()] == [["1", "A", "kernel", "slow"],
+                                                                      ["1", "B", "kernel", "fast"]]
+    failing = _run_ab(tmp_path, tree, "b.patch", AB_CMD="echo bad; exit 3")
+    assert failing.returncode == 1 and "side A's AB_CMD failed" in failing.stderr and "bad" in failing.stderr
+    assert (tree / "speed.txt").read_text() == "slow\n"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="gpu_ab.sh applies its patch with git apply")
 def test_gpu_ab_refuses_a_missing_or_stale_patch_and_restores_the_checkout_after_a_failure(tmp_path):
     tree = _ab_tree(tmp_path, bench_fails_on="fast")
     missing = _run_ab(tmp_path, tree, "none.patch")
