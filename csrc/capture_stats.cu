@@ -78,6 +78,41 @@ __device__ __forceinline__ float sum_maps(const float* __restrict__ m, int nmaps
   return v;
 }
 
+// v[u] = sum_maps(maps + off[u], nmaps, M) for kPositionsInFlight positions at once, each added in the same
+// order (so the same sums bit for bit), every position's loads of four maps in flight
+// together: position by position, a thread's few positions in a chunk were as many chains
+// of L2 round trips, and phase 2 of a channels_last layer took longer than reading the
+// activation.  off[u] must be a position of the map (a thread's positions past its chunk
+// pass one inside it and drop the sum).
+constexpr int kPositionsInFlight = 4;
+__device__ __forceinline__ void sum_maps_at(const float* __restrict__ maps, const int64_t (&off)[kPositionsInFlight],
+                                            int nmaps, int64_t M, float (&v)[kPositionsInFlight]) {
+  constexpr int P = kPositionsInFlight;
+#pragma unroll
+  for (int u = 0; u < P; ++u) v[u] = 0.f;
+  int k = 0;
+  for (; k + 4 <= nmaps; k += 4) {
+    float l[4][P];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int u = 0; u < P; ++u) l[j][u] = maps[off[u] + (k + j) * M];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int u = 0; u < P; ++u) v[u] += l[j][u];
+    }
+  }
+  for (; k < nmaps; ++k) {
+    float l[P];
+#pragma unroll
+    for (int u = 0; u < P; ++u) l[u] = maps[off[u] + k * M];
+#pragma unroll
+    for (int u = 0; u < P; ++u) v[u] += l[u];
+  }
+}
+
 // The last-block reduction: every block along y has stored its partial for column
 // blockIdx.x; true (in every thread) in the one block that finished that column last,
 // which then sums the partials in a fixed order.  The counter is reset by that block, so
@@ -95,11 +130,21 @@ __device__ bool finished_last(unsigned* counter, unsigned parts) {
   return last;
 }
 
-// sum_{k < parts} partials[k * stride] in order k = 0, 1, ... (read through L2: other
-// blocks wrote them during this launch).
-__device__ __forceinline__ float sum_partials(const float* partials, int parts, int64_t stride) {
+// sum_{k < n} p[k * stride], added in order k = 0, 1, ... (read through L2: other blocks
+// wrote them during this launch), kChainLoads loads in flight: one at a time, a last
+// block's sum over its chunks' partials was a chain of dependent L2 round trips.
+constexpr int kChainLoads = 8;
+__device__ __forceinline__ float sum_partials(const float* partials, int n, int64_t stride) {
   float acc = 0.f;
-  for (int k = 0; k < parts; ++k) acc += __ldcg(partials + static_cast<int64_t>(k) * stride);
+  int k = 0;
+  for (; k + kChainLoads <= n; k += kChainLoads) {
+    float u[kChainLoads];
+#pragma unroll
+    for (int j = 0; j < kChainLoads; ++j) u[j] = __ldcg(partials + static_cast<int64_t>(k + j) * stride);
+#pragma unroll
+    for (int j = 0; j < kChainLoads; ++j) acc += u[j];
+  }
+  for (; k < n; ++k) acc += __ldcg(partials + static_cast<int64_t>(k) * stride);
   return acc;
 }
 
@@ -230,8 +275,8 @@ __device__ __forceinline__ void add_to_taps(float* acc, unsigned rows, unsigned 
 }
 
 // The last block of a tile sums its `items` columns' chunk partials: `groups` threads per
-// item take every groups-th chunk (their loads in flight together: a serial sum of 64
-// chunks was most of a 1 x 1 layer's time), then the groups are added in order
+// item take every groups-th chunk (sum_partials: their loads in flight together; a serial
+// sum of 64 chunks was most of a 1 x 1 layer's time), then the groups are added in order
 // (deterministic).  `column(t, col)` gives item t's column, false past the last one;
 // smem holds at least kCaptureBlock floats.
 template <typename Column>
@@ -243,8 +288,9 @@ __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chun
     const int item = t % items, g = t / items;
     int64_t col;
     float part = 0.f;
-    if (column(item, col)) {
-      for (int k = g; k < chunks; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * K + col);
+    if (column(item, col) && g < chunks) {  // chunks g, g + groups, ...
+      part = sum_partials(partials + static_cast<int64_t>(g) * K + col, (chunks - g + groups - 1) / groups,
+                          static_cast<int64_t>(groups) * K);
     }
     smem[t] = part;
   }
@@ -288,12 +334,21 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
   if (c < C) {
-    for (int e = static_cast<int>(rp.lo) + ry; e < rp.hi; e += pass) {
-      const int y = e / W, x = e - y * W;
-      unsigned rows, cols;
-      if (!tap_masks<MAXK>(a, y, x, rows, cols)) continue;
-      // the batch-split partial maps (nmaps == 1: the map itself)
-      add_to_taps<MAXK>(acc, rows, cols, sum_maps(maps + static_cast<int64_t>(e) * C + c, nmaps, M));
+    // kPositionsInFlight positions e, e + pass, ... at a time, added in that order
+    for (int e0 = static_cast<int>(rp.lo) + ry; e0 < rp.hi; e0 += pass * kPositionsInFlight) {
+      int64_t off[kPositionsInFlight];
+      unsigned rows[kPositionsInFlight], cols[kPositionsInFlight];
+      float v[kPositionsInFlight];
+#pragma unroll
+      for (int u = 0; u < kPositionsInFlight; ++u) {
+        const int e = e0 + u * pass < rp.hi ? e0 + u * pass : e0;
+        const int y = e / W, x = e - y * W;
+        if (!tap_masks<MAXK>(a, y, x, rows[u], cols[u]) || e0 + u * pass >= rp.hi) rows[u] = 0u;
+        off[u] = static_cast<int64_t>(e) * C + c;
+      }
+      sum_maps_at(maps, off, nmaps, M, v);  // the batch-split partial maps (nmaps == 1: the map itself)
+#pragma unroll
+      for (int u = 0; u < kPositionsInFlight; ++u) add_to_taps<MAXK>(acc, rows[u], cols[u], v[u]);
     }
   }
   // smem[(ry * kTaps + tap) * lanes + cl]; item t < lanes * taps (as many as 288, so a
@@ -358,12 +413,21 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const fl
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
   if (c < C) {
-    const float* m = maps + static_cast<int64_t>(c) * HW;
-    for (int e = static_cast<int>(rp.lo) + lane; e < rp.hi; e += 32) {  // (C * H * W fits an int)
-      const int y = e / W, x = e - y * W;
-      unsigned rows, cols;
-      if (!tap_masks<MAXK>(a, y, x, rows, cols)) continue;
-      add_to_taps<MAXK>(acc, rows, cols, sum_maps(m + e, nmaps, M));  // (nmaps == 1: the map itself)
+    // kPositionsInFlight positions e, e + 32, ... at a time, added in that order (C * H * W fits an int)
+    for (int e0 = static_cast<int>(rp.lo) + lane; e0 < rp.hi; e0 += 32 * kPositionsInFlight) {
+      int64_t off[kPositionsInFlight];
+      unsigned rows[kPositionsInFlight], cols[kPositionsInFlight];
+      float v[kPositionsInFlight];
+#pragma unroll
+      for (int u = 0; u < kPositionsInFlight; ++u) {
+        const int e = e0 + u * 32 < rp.hi ? e0 + u * 32 : e0;
+        const int y = e / W, x = e - y * W;
+        if (!tap_masks<MAXK>(a, y, x, rows[u], cols[u]) || e0 + u * 32 >= rp.hi) rows[u] = 0u;
+        off[u] = static_cast<int64_t>(c) * HW + e;
+      }
+      sum_maps_at(maps, off, nmaps, M, v);  // (nmaps == 1: the map itself)
+#pragma unroll
+      for (int u = 0; u < kPositionsInFlight; ++u) add_to_taps<MAXK>(acc, rows[u], cols[u], v[u]);
     }
   }
 #pragma unroll
