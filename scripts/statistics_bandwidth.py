@@ -21,6 +21,10 @@ statistics and the gradient's, with their allocation of the two small outputs), 
 ``--reps`` calls each between two CUDA events, the median per call.  Norms whose capture
 reads neither tensor (a training batch norm, a layer norm with a bias: they use the means
 autograd saved) are left out, as in the floor.
+
+Where a layer is small, back-to-back calls are bounded by the host's launch rate (a few us a
+launch), not the device: both columns then say little, and ``profile_capture.py``'s device
+time per kernel is the measure.
 """
 
 from __future__ import annotations
