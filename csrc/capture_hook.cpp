@@ -196,7 +196,7 @@ bool ForwardTapHook::tapped(const Repeat& r, PyObject* module, PyObject* x_obj, 
   if (!taps_out || !PyLong_Check(taps_out.ptr())) return false;
   const bool side = is_true(r.gate.ptr(), n.side);
   if (r.read_now) {
-    tap_read(r.plan, x.detach(), out, side);
+    tap_read(r.plan, x, out, side);
   } else {
     tap(r.plan, x, out, side);
   }

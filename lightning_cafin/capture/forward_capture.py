@@ -157,9 +157,9 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # place before the backward, or be gone by then, so read it now, on the current
         # stream (on the side stream, a later in-place write on the current stream would
         # race with the read).
-        x = x.detach()
         if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output, read_now=True):
-            return
+            return  # (TapPlan.tap_read reads x as given, under no-grad, and holds nothing of it)
+        x = x.detach()
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
         if tap is None and isinstance(output, Tensor) and _tapped_gradient(capture, x, output, h, hn):

@@ -165,6 +165,43 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
     assert fast == [set(), {"3", "5"}, {"3", "5"}, {"3", "5"}]
 
 
+def test_a_repeated_read_tap_reads_its_input_as_given_recording_nothing(kernels_on_cpu, monkeypatch):  # noqa: F811
+    """A ``tap_read`` (a Linear computing on an autocast copy), repeated by the C++ hook or
+    taken by the general path, hands its input to the statistics as it is: no ``detach`` per
+    layer, and the reads, run under no-grad, leave no autograd node behind (the factors still
+    equal the general path's: the test above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lowp = (torch.float32, torch.bfloat16)
+    monkeypatch.setattr(ck, "ext_for", lambda *t: kernels_on_cpu.fake if all(v.dtype in lowp for v in t) else None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), _Float(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = AdaFisher(model, lr=1e-3, TCov=1, backend="foreach")
+
+    def step() -> None:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(5, 6, requires_grad=True)).float().square().mean()
+        loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    reads = [e for e in prof.events() if e.name == "lightning_cafin::tap_read"]
+    # Linears "0" (the step's first forward: the general path) and "3" (repeated by its C++
+    # hook) read their float32 input; "5" is given bfloat16 and takes the plain tap
+    assert len(reads) == 2
+
+    def below(event) -> list[str]:
+        return [c.name for c in event.cpu_children] + [n for c in event.cpu_children for n in below(c)]
+
+    hooks = [e for e in prof.events() if e.name == "lightning_cafin::ForwardTapHook"]  # (the general path's call too)
+    assert hooks and not any("aten::detach" in below(e) for e in hooks), [below(e) for e in hooks]
+    assert not any(e.name.endswith("Backward0") and "lightning_cafin::tap_read" in below(e) for e in prof.events())
+
+
 def _capture_step(model: nn.Module, opt: AdaFisher, asked: set[str]) -> set[str]:
     """One capture step; returns the layers whose tap was repeated by the C++ hook."""
     caps = opt.binding.captures
