@@ -4,17 +4,15 @@ errors.  (Its figures mean something on a GPU only; there the extension's kernel
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from lightning_cafin.bench.floor import statistics_bytes
 from lightning_cafin.bench.workloads import workloads
-from lightning_cafin.kernels.loader import extension_if_built
 
 from .benchmarks.scripts import SCRIPTS
 from .benchmarks.scripts import load as load_script
+from .capture.test_gradient_taps import ext  # noqa: F401  (the built extension, or a skip / a failure under CI)
 
 CPU = torch.device("cpu")
 
@@ -23,19 +21,8 @@ def load():
     return load_script("statistics_bandwidth", SCRIPTS)
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = extension_if_built()
-    if module is None or not hasattr(module, "layer_stats"):
-        why = "the extension is not built here (python -m lightning_cafin.kernels.loader --build)"
-        if os.environ.get("CAFIN_REQUIRE_EXTENSION") == "1":
-            pytest.fail(why + ", and CAFIN_REQUIRE_EXTENSION=1 requires it")
-        pytest.skip(why)
-    return module
-
-
 @pytest.mark.parametrize("name", ["resnet50", "gpt"])
-def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_sums(ext, name):
+def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_sums(ext, name):  # noqa: F811
     wl = workloads(CPU, quick=True)[name]
     pairs = load().layer_pairs(wl, CPU)
     counted = statistics_bytes(wl, CPU)
@@ -47,7 +34,7 @@ def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_su
         assert torch.isfinite(h).all() and torch.isfinite(s).all() and s.numel() == p.grad.shape[1 if p.grad.dim() == 4 else -1]
 
 
-def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):
+def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):  # noqa: F811
     assert load().main(["--quick", "--device", "cpu", "--workload", "resnet18", "--reps", "1", "--rounds", "1",
                         "--top", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
