@@ -272,14 +272,8 @@ void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, c
   LIGHTNING_CAFIN_RECORD_OP("tap_read");
   check_tap_args(plan, output, kReadTap);
   TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
-  at::Tensor h;
-  {
-    // x as given, not a detached copy (an op dispatched per layer): whatever input_stats
-    // runs on it (a copy of odd strides, the CPU reference's ops) is recorded by nobody
-    at::NoGradGuard no_grad;
-    h = input_stats(x, plan->input_op, plan->input_div);
-  }
-  on_gradient(output, std::make_unique<GradientTap>(plan, std::move(h), plan->hn, side));
+  // x as given, not a detached copy (an op dispatched per layer): input_stats records nothing
+  on_gradient(output, std::make_unique<GradientTap>(plan, input_stats(x, plan->input_op, plan->input_div), plan->hn, side));
 }
 
 }  // namespace lightning_cafin
