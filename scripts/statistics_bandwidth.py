@@ -17,14 +17,13 @@ the layers' shapes say where.
 
 What is timed per layer: ``FusedStats.run`` (the extension's ``layer_stats``: the input's
 statistics and the gradient's, with their allocation of the two small outputs), and
-``x.sum(dtype=float32)`` plus ``g.sum(dtype=float32)``; interleaved, ``--rounds`` rounds of
-``--reps`` calls each between two CUDA events, the median per call.  Norms whose capture
-reads neither tensor (a training batch norm, a layer norm with a bias: they use the means
-autograd saved) are left out, as in the floor.
-
-Where a layer is small, back-to-back calls are bounded by the host's launch rate (a few us a
-launch), not the device: both columns then say little, and ``profile_capture.py``'s device
-time per kernel is the measure.
+``x.sum(dtype=float32)`` plus ``g.sum(dtype=float32)``: the device time of the kernels each
+launches (``torch.profiler``), ``--reps`` calls a layer in each of ``--rounds`` profiled
+passes over every layer, the median per call.  Device time, not the time between two
+events: back-to-back calls of a small layer are bounded by the host's launch rate (a few us
+a launch), which would hide what the kernels take.  Norms whose capture reads neither
+tensor (a training batch norm, a layer norm with a bias: they use the means autograd saved)
+are left out, as in the floor.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -101,27 +99,39 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
     return pairs
 
 
-def time_per_call(fns: list[Callable[[], object]], device: torch.device, reps: int, rounds: int) -> list[float]:
-    """Median microseconds per call of each of ``fns``, interleaved round by round."""
-    samples: list[list[float]] = [[] for _ in fns]
-    for fn in fns:  # (a warm-up call each: first launches, allocator)
-        fn()
+def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.device, reps: int,
+                       rounds: int) -> list[list[float]]:
+    """Median microseconds per call of every ``calls[i][j]``: on a GPU the device time of the
+    kernels each call launches (``torch.profiler``, summed under a ``record_function`` range
+    around ``reps`` calls), so that neither the host's launch rate nor the gaps between
+    launches count; on a CPU (a smoke run) the host time of the range.  One profiled pass over
+    every call per round, ``rounds`` rounds (interleaved)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    samples: dict[tuple[int, int], list[float]] = {}
+    for row in calls:  # (a warm-up call each: first launches, allocator)
+        for fn in row:
+            fn()
     for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    fn()
-                end.record()
-                end.synchronize()
-                samples[i].append(start.elapsed_time(end) * 1e3 / reps)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    fn()
-                samples[i].append((time.perf_counter() - t0) * 1e6 / reps)
-    return [statistics.median(s) for s in samples]
+        with profile(activities=activities) as prof:
+            for i, row in enumerate(calls):
+                for j, fn in enumerate(row):
+                    with record_function(f"statistics_bandwidth/{i}/{j}"):
+                        for _ in range(reps):
+                            fn()
+            if on_gpu:
+                torch.cuda.synchronize(device)
+        for e in prof.events():
+            if e.name.startswith("statistics_bandwidth/") and e.device_type == torch.autograd.DeviceType.CPU:
+                i, j = (int(k) for k in e.name.split("/")[1:])
+                total = getattr(e, "device_time_total", None) if on_gpu else e.cpu_time_total
+                samples.setdefault((i, j), []).append(float(total if total is not None else e.cuda_time_total) / reps)
+    if on_gpu and calls and not any(t > 0 for ts in samples.values() for t in ts):
+        raise RuntimeError("torch.profiler gave the timed calls no device time (no kernel was attributed to their "
+                           "record_function ranges): this torch's profiler cannot time them here")
+    return [[statistics.median(samples[(i, j)]) for j in range(len(row))] for i, row in enumerate(calls)]
 
 
 def torch_read(pair: LayerPair) -> Callable[[], object]:
@@ -130,10 +140,8 @@ def torch_read(pair: LayerPair) -> Callable[[], object]:
 
 def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int) -> str:
     pairs = layer_pairs(wl, device)
-    rows = []
-    for p in pairs:
-        ours, ref = time_per_call([p.run, torch_read(p)], device, reps, rounds)
-        rows.append((p, ours, ref))
+    times = device_us_per_call([[p.run, torch_read(p)] for p in pairs], device, reps, rounds)
+    rows = [(p, ours, ref) for p, (ours, ref) in zip(pairs, times)]
     peak = peak_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"workload {wl.name}: {wl.description}; {len(pairs)} layers whose statistics read their tensors; {name}"
@@ -151,7 +159,8 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int)
         lines.append(f"  {what:>6}: {len(chosen):3d} layers, {nbytes / 1e6:9.1f} MB: package {ours:9.1f} us"
                      f" ({gbs(nbytes, ours):6.0f} GB/s), torch sum {ref:9.1f} us ({gbs(nbytes, ref):6.0f} GB/s),"
                      f" package / torch {ours / ref:5.2f}x" + (f", floor {nbytes / peak * 1e6:8.1f} us" if peak else ""))
-    lines.append(f"the {min(top, len(rows))} layers where the package takes most above torch's read (us per call):")
+    lines.append(f"the {min(top, len(rows))} layers where the package takes most above torch's read "
+                 f"({'device' if device.type == 'cuda' else 'host'} us per call):")
     lines.append(f"  {'above':>8} {'package':>8} {'torch':>8} {'GB/s':>6}  {'MB':>7}  how    layer: input -> gradient")
     for p, ours, ref in sorted(rows, key=lambda r: r[2] - r[1])[:top]:
         lines.append(f"  {ours - ref:+8.1f} {ours:8.1f} {ref:8.1f} {gbs(p.nbytes, ours):6.0f}  {p.nbytes / 1e6:7.1f}"
