@@ -167,9 +167,9 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
 
 def test_a_repeated_read_tap_reads_its_input_as_given_recording_nothing(kernels_on_cpu, monkeypatch):  # noqa: F811
     """A ``tap_read`` (a Linear computing on an autocast copy), repeated by the C++ hook or
-    taken by the general path, hands its input to the statistics as it is: no ``detach`` per
-    layer, and the reads, run under no-grad, leave no autograd node behind (the factors still
-    equal the general path's: the test above)."""
+    taken by the general path, hands its input to the statistics as it is (no ``detach`` per
+    layer) and reads it in the forward, inside no backward node (the factors still equal the
+    general path's: the test above)."""
     from torch.profiler import ProfilerActivity, profile
 
     lowp = (torch.float32, torch.bfloat16)
