@@ -138,10 +138,11 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
       .def("tap",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
               bool side) { lightning_cafin::tap(self, x, output, side); },
-           R"doc(Register on ``output`` (requiring grad) a C++ tensor hook that, when the gradient of
-that value arrives, calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square,
-grad_div, side), adds (h, hn, s, sn) to the sink and lets go of x (held detached until
-then); a second backward through a retained graph adds nothing.  CPU tensors take
+           R"doc(Register on ``output`` (requiring grad) a C++ hook (a pre hook of its backward node,
+as a tensor hook is; a tensor hook on a leaf) that, when the gradient of that value arrives,
+calls layer_stats(x, grad, input_op, input_div, grad_dim, grad_square, grad_div, side), adds
+(h, hn, s, sn) to the sink and lets go of x (held as given until then; detached where x is
+output itself); a second backward through a retained graph adds nothing.  CPU tensors take
 layer_stats' ATen reference.  A norm's plan (mean_scale > 0) on a training batch norm's
 or a layer norm's output whose bias needs a gradient registers instead a post hook on its
 backward node: h from its saved means * mean_scale, s = its bias gradient (summed from its

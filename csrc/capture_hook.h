@@ -20,7 +20,7 @@
 //   epoch of the general-path forward that opened it (`epoch_holder.value`), which every
 //   change of a setting or of the schedule leaves behind: a capture step, taps on, the
 //   kernels in use, no `no_capture()` block open; `gate.side` is the side-stream choice.
-// The tap made is TapPlan.tap (or TapPlan.tap_read of x detached, for a layer computing on
+// The tap made is TapPlan.tap (or TapPlan.tap_read of x as given, for a layer computing on
 // an autocast copy), and the capture's `taps_out` is counted up, as the Python path does.
 //
 // Where the module's forward is overridden (lightning_cafin/capture/hooks.py: armed, the
