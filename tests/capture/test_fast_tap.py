@@ -165,7 +165,7 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
     assert fast == [set(), {"3", "5"}, {"3", "5"}, {"3", "5"}]
 
 
-def test_a_repeated_read_tap_reads_its_input_as_given_recording_nothing(kernels_on_cpu, monkeypatch):  # noqa: F811
+def test_a_read_tap_reads_its_input_as_given_in_the_forward(kernels_on_cpu, monkeypatch):  # noqa: F811
     """A ``tap_read`` (a Linear computing on an autocast copy), repeated by the C++ hook or
     taken by the general path, hands its input to the statistics as it is (no ``detach`` per
     layer) and reads it in the forward, inside no backward node (the factors still equal the
