@@ -274,6 +274,33 @@ __device__ __forceinline__ void add_to_taps(float* acc, unsigned rows, unsigned 
   }
 }
 
+// A thread's share of one channel's positions in the chunk [first, hi): positions first,
+// first + step, ..., each map value (the nmaps partial maps at offset(e), sum_maps_at)
+// added to the taps whose window covers it, in that order; both channel-side-by-side
+// kernels below run this loop, with their own step and map order.
+template <int MAXK, typename Offset>
+__device__ __forceinline__ void add_positions_to_taps(const float* __restrict__ maps, int nmaps, int64_t M,
+                                                      const ConvInputArgs& a, int first, int hi, int step,
+                                                      Offset offset, float (&acc)[MAXK * MAXK]) {
+  const int W = static_cast<int>(a.W);
+  for (int e0 = first; e0 < hi; e0 += step * kPositionsInFlight) {
+    int64_t off[kPositionsInFlight];
+    unsigned rows[kPositionsInFlight], cols[kPositionsInFlight];
+    float v[kPositionsInFlight];
+#pragma unroll
+    for (int u = 0; u < kPositionsInFlight; ++u) {
+      // (a position past the chunk reads one inside it and adds it nowhere)
+      const int e = e0 + u * step < hi ? e0 + u * step : e0;
+      const int y = e / W, x = e - y * W;
+      if (!tap_masks<MAXK>(a, y, x, rows[u], cols[u]) || e0 + u * step >= hi) rows[u] = 0u;
+      off[u] = offset(e);
+    }
+    sum_maps_at(maps, off, nmaps, M, v);
+#pragma unroll
+    for (int u = 0; u < kPositionsInFlight; ++u) add_to_taps<MAXK>(acc, rows[u], cols[u], v[u]);
+  }
+}
+
 // The last block of a tile sums its `items` columns' chunk partials: `groups` threads per
 // item take every groups-th chunk (sum_partials: their loads in flight together; a serial
 // sum of 64 chunks was most of a 1 x 1 layer's time), then the groups are added in order
@@ -326,30 +353,15 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
   const int cl = threadIdx.x % lanes, ry = threadIdx.x / lanes;
   const int pass = kCaptureBlock / lanes;
   const int C = static_cast<int>(a.C);
-  const int W = static_cast<int>(a.W);
   const int c = blockIdx.x * lanes + cl;
   const int64_t M = a.C * a.H * a.W;
   const Range rp = split_range(a.H * a.W, chunks, blockIdx.y);
   float acc[kTaps];
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
-  if (c < C) {
-    // kPositionsInFlight positions e, e + pass, ... at a time, added in that order
-    for (int e0 = static_cast<int>(rp.lo) + ry; e0 < rp.hi; e0 += pass * kPositionsInFlight) {
-      int64_t off[kPositionsInFlight];
-      unsigned rows[kPositionsInFlight], cols[kPositionsInFlight];
-      float v[kPositionsInFlight];
-#pragma unroll
-      for (int u = 0; u < kPositionsInFlight; ++u) {
-        const int e = e0 + u * pass < rp.hi ? e0 + u * pass : e0;
-        const int y = e / W, x = e - y * W;
-        if (!tap_masks<MAXK>(a, y, x, rows[u], cols[u]) || e0 + u * pass >= rp.hi) rows[u] = 0u;
-        off[u] = static_cast<int64_t>(e) * C + c;
-      }
-      sum_maps_at(maps, off, nmaps, M, v);  // the batch-split partial maps (nmaps == 1: the map itself)
-#pragma unroll
-      for (int u = 0; u < kPositionsInFlight; ++u) add_to_taps<MAXK>(acc, rows[u], cols[u], v[u]);
-    }
+  if (c < C) {  // positions e, e + pass, ... of the chunk
+    add_positions_to_taps<MAXK>(maps, nmaps, M, a, static_cast<int>(rp.lo) + ry, static_cast<int>(rp.hi), pass,
+                                [&](int e) { return static_cast<int64_t>(e) * C + c; }, acc);
   }
   // smem[(ry * kTaps + tap) * lanes + cl]; item t < lanes * taps (as many as 288, so a
   // thread may take two) is one (channel, tap) summed over the pass's rows, in order
@@ -403,7 +415,6 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const fl
   const int taps = a.kh * a.kw;
   const int lane = threadIdx.x % 32;
   const int C = static_cast<int>(a.C);
-  const int W = static_cast<int>(a.W);
   const int c0 = blockIdx.x * kChwChannels;
   const int c = c0 + static_cast<int>(threadIdx.x / 32);
   const int64_t HW = a.H * a.W;
@@ -412,23 +423,9 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const fl
   float acc[kTaps];
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
-  if (c < C) {
-    // kPositionsInFlight positions e, e + 32, ... at a time, added in that order (C * H * W fits an int)
-    for (int e0 = static_cast<int>(rp.lo) + lane; e0 < rp.hi; e0 += 32 * kPositionsInFlight) {
-      int64_t off[kPositionsInFlight];
-      unsigned rows[kPositionsInFlight], cols[kPositionsInFlight];
-      float v[kPositionsInFlight];
-#pragma unroll
-      for (int u = 0; u < kPositionsInFlight; ++u) {
-        const int e = e0 + u * 32 < rp.hi ? e0 + u * 32 : e0;
-        const int y = e / W, x = e - y * W;
-        if (!tap_masks<MAXK>(a, y, x, rows[u], cols[u]) || e0 + u * 32 >= rp.hi) rows[u] = 0u;
-        off[u] = static_cast<int64_t>(c) * HW + e;
-      }
-      sum_maps_at(maps, off, nmaps, M, v);  // (nmaps == 1: the map itself)
-#pragma unroll
-      for (int u = 0; u < kPositionsInFlight; ++u) add_to_taps<MAXK>(acc, rows[u], cols[u], v[u]);
-    }
+  if (c < C) {  // positions e, e + 32, ... of the chunk (C * H * W fits an int)
+    add_positions_to_taps<MAXK>(maps, nmaps, M, a, static_cast<int>(rp.lo) + lane, static_cast<int>(rp.hi), 32,
+                                [&](int e) { return static_cast<int64_t>(c) * HW + e; }, acc);
   }
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = warp_sum(acc[t]);
