@@ -8,6 +8,7 @@
 #include "record_op.h"
 #include "side_stream.h"
 
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -85,8 +86,26 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
   return {size, stride};
 }
 
+// The ops' results and workspaces are made without a dispatched op (each one the host runs
+// in a capture step's backward, while the device waits for it; the profile of a ResNet-18
+// capture step put three allocations and four views a layer among the host's largest
+// additions).
+
+// n floats on like's device, from the caching allocator on the current stream (at::empty
+// without its dispatch).
 at::Tensor new_f32(int64_t n, const at::Tensor& like) {
-  return at::empty({n}, like.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  return at::Tensor(at::detail::empty_cuda({n}, at::kFloat, like.device(), at::MemoryFormat::Contiguous));
+}
+
+// Floats [offset, offset + n) of `buffer` (new_f32's) as a tensor of their own on its storage
+// (narrow without its dispatch: narrow, then slice).  Not an autograd view: no statistic
+// needs a gradient.
+at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                   buffer.dtype());
+  impl->set_storage_offset(buffer.storage_offset() + offset);
+  impl->set_sizes_contiguous({n});
+  return at::Tensor(std::move(impl));
 }
 
 cudaStream_t current_stream(const at::Tensor& t) {
@@ -414,7 +433,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   float* o = out.data_ptr<float>();
   float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;
   const cudaStream_t stream = current_stream(x);
-  at::Tensor h = out.narrow(0, 0, nh), s = out.narrow(0, off_s, pg.n_out);
+  at::Tensor h = part_of(out, 0, nh), s = part_of(out, off_s, pg.n_out);
   float* const s_ws = w ? w + aligned(wh) : nullptr;
   if (!conv && !h_zeros && !pg.zeros) {  // a linear layer's two reductions: one launch where one kernel reads both
     // In one launch both items' last-block counters are live together, so they take
@@ -542,7 +561,7 @@ std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const 
   float* o = out.data_ptr<float>();
   check_launch(launch_norm_stats(a, means.scalar_type(), bias_grad.scalar_type(), o, o + off_s, current_stream(means)),
                kNorm);
-  return {out.narrow(0, 0, a.T), out.narrow(0, off_s, a.n_bias)};
+  return {part_of(out, 0, a.T), part_of(out, off_s, a.n_bias)};
 }
 
 }  // namespace lightning_cafin

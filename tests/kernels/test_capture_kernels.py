@@ -562,6 +562,43 @@ def test_layer_stats_equals_the_two_partials(ext, impl, name, dtype, side):
     close(s, s_want, STAT_RTOL)
 
 
+@pytest.mark.parametrize("name", ["conv3x3_channels_last", "linear_tokens"])
+def test_layer_stats_results_are_vectors_of_their_own(ext, impl, name):
+    """``h`` and ``s`` share one allocation, made without a dispatched op: each is a
+    contiguous float32 vector of its own length that needs no gradient, a write to one
+    leaves the other as it was, and both keep their values once the call's workspace is
+    freed and its memory taken again."""
+    make, shape, layout = FUSED_LAYERS[name]
+    module, x, grad = layer_and_tensors(make, shape, torch.float32, torch.float32, layout)
+    fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
+    h, s = fused.run(ext, x, grad, False)
+    h_want, _ = torch_rule(impl, module, x, "in")
+    s_want, _ = torch_rule(impl, module, grad, "out")
+    assert h.shape == h_want.shape and s.shape == s_want.shape
+    assert h.is_contiguous() and s.is_contiguous() and h.dtype == s.dtype == torch.float32
+    assert not h.requires_grad and not s.requires_grad
+    assert h.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+    h.fill_(float("nan"))
+    taken = [torch.full((1 << 16,), 7.0, device=DEV) for _ in range(8)]  # the freed workspace, reused
+    close(s, s_want, STAT_RTOL)
+    assert h.isnan().all() and len(taken) == 8
+
+
+def test_layer_stats_dispatches_no_op_of_its_own(ext):
+    """The results come from the caching allocator and as parts of one buffer without a
+    dispatched op (``aten::empty``, ``aten::narrow``: a capture step's backward ran four a
+    layer on the host while the device waited for it)."""
+    make, shape, layout = FUSED_LAYERS["conv3x3_channels_last"]
+    module, x, grad = layer_and_tensors(make, shape, torch.bfloat16, torch.bfloat16, layout)
+    fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
+    fused.run(ext, x, grad, False)  # (the counter pool made)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fused.run(ext, x, grad, False)
+    names = {e.name for e in prof.events()}
+    assert "lightning_cafin::layer_stats" in names, names
+    assert not names & {"aten::empty", "aten::narrow", "aten::slice", "aten::as_strided"}, names
+
+
 #: layers whose two reductions the rows kernel reads (module, input shape, input dtype,
 #: gradient dtype, layout): in one launch where dtype and read mode agree (16-byte loads on
 #: the grid, or realigned for 2-byte rows off it), else one launch each; with and without
