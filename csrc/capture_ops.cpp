@@ -86,10 +86,10 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
   return {size, stride};
 }
 
-// The ops' results and workspaces are made without a dispatched op (each one the host runs
-// in a capture step's backward, while the device waits for it; the profile of a ResNet-18
-// capture step put three allocations and four views a layer among the host's largest
-// additions).
+// The ops' results and workspaces are made without a dispatched op: each one is host time
+// in a capture step's backward, which a host-bound step pays in full (the profile of a
+// ResNet-18 capture step put three allocations and four views a layer among the host's
+// largest additions).
 
 // n floats on like's device, from the caching allocator on the current stream (at::empty
 // without its dispatch).
@@ -101,8 +101,8 @@ at::Tensor new_f32(int64_t n, const at::Tensor& like) {
 // (narrow without its dispatch: narrow, then slice).  Not an autograd view: no statistic
 // needs a gradient.
 at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                                   buffer.dtype());
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), buffer.dtype());
   impl->set_storage_offset(buffer.storage_offset() + offset);
   impl->set_sizes_contiguous({n});
   return at::Tensor(std::move(impl));

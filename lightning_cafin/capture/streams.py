@@ -38,21 +38,21 @@ the GPT):
   these favoured the side stream: its capture steps took the kept factor update, the
   current stream's, timed after a Python-hooks capture step that dropped it (before
   60b20f8), did not.
-
 - H100, the bench matrix at c3c2eea and at 844bd72 (``bench-matrix-h100-c3c2eea.json``,
   ``bench-matrix-h100-844bd72.json``, two machines): step-synchronous 0.962x / 1.039x /
   0.970x / 0.991x and 0.960x / 1.036x / 0.971x / 0.991x.
 
 On the kept launch both ways, the side stream paid where the backward keeps the device
-busy (ResNet-50, the GPT: 1-3%, and ResNet-18 fp32, 0.96x-0.995x, in all five matrix runs
-above) and cost where the host is the bottleneck (bf16 + channels_last ResNet-18: 1.010x to
+busy (in all five matrix runs above: ResNet-50 by 3-5%, the GPT by 1-2%, ResNet-18 fp32
+by 0.5-4%) and cost where the host is the bottleneck (bf16 + channels_last ResNet-18: 1.010x to
 1.039x in four of the five), with no memory cost.  At 844bd72, by the medians of its
 synchronised steps (side stream, current stream), a capture step took +0.49 / +1.15 ms above a
 normal step on ResNet-18 fp32, +1.99 / +1.64 ms on bf16 + channels_last, 1.066x / 1.098x on
 ResNet-50 and 1.040x / 1.049x on the GPT: the side stream would have met two more of the
-capture step's goals, and missed bf16 + channels_last's by more.  A default that chose per model (say by timing a few capture
-steps each way with events read once done, or by a capture step's host time against its
-device time) could take the gain where it exists; none is built.
+capture step's goals, and missed bf16 + channels_last's by more.  A default that chose per
+model (say by timing a few capture steps each way with events read once done, or by a
+capture step's host time against its device time) could take the gain where it exists;
+none is built.
 The bench matrix times both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model
 whose backward leaves the host idle for long GPU kernels may gain from it
 (``capture_stream=True``).

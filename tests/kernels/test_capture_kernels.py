@@ -586,8 +586,8 @@ def test_layer_stats_results_are_vectors_of_their_own(ext, impl, name):
 
 def test_layer_stats_dispatches_no_op_of_its_own(ext):
     """The results come from the caching allocator and as parts of one buffer without a
-    dispatched op (``aten::empty``, ``aten::narrow``: a capture step's backward ran four a
-    layer on the host while the device waited for it)."""
+    dispatched op (``aten::empty``, ``aten::narrow``: four a layer of host time in a capture
+    step's backward, which a host-bound step pays in full)."""
     make, shape, layout = FUSED_LAYERS["conv3x3_channels_last"]
     module, x, grad = layer_and_tensors(make, shape, torch.bfloat16, torch.bfloat16, layout)
     fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
