@@ -36,7 +36,8 @@ from .capture import taps as capture_taps
 from .capture.distributed import StatisticsReduction
 from .capture.factors import update_factors
 from .capture.layers import check_layers
-from .capture_options import CaptureOptions
+from .capture.stream_choice import StreamChooser
+from .capture_options import CaptureOptions, StreamOption
 from .health import Health
 from .observers import Observers, StepObserver
 from .profiling import profiled
@@ -60,7 +61,7 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
 
     def __init__(self, params: Params, lr: Union[float, Tensor] = 1e-3, beta: float = 0.9, gamma: float = 0.8,
                  Lambda: float = 1e-3, TCov: int = 100, weight_decay: float = 0.0, *, backend: Union[str, StepBackend] = "auto",
-                 capture: Optional[str] = None, capture_stream: Optional[bool] = None, layers: str = "all",
+                 capture: Optional[str] = None, capture_stream: StreamOption = None, layers: str = "all",
                  **kwargs: Any) -> None:
         reject_unknown_kwargs(type(self).__name__, kwargs, _KNOWN_ARGS)
         check_hyperparameters(lr, beta, gamma, Lambda, TCov, weight_decay)
@@ -91,6 +92,9 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         self._summary: Optional[str] = None  # written at the first step after (re)pairing
         if not hasattr(self, "capture_options"):
             self.capture_options = CaptureOptions()
+        #: capture_stream="auto"'s choice, from this optimizer's timed capture steps
+        self.stream_chooser = StreamChooser()
+        self._on_cuda: Optional[bool] = None  # whether the parameters are on a CUDA device (first asked)
         #: process group whose ranks' statistics are summed on capture steps (None: the default group)
         self.statistics_group: Any = None
         #: the capture step's one all-reduce of every layer's statistics (``last``: what it sent)
@@ -159,11 +163,18 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             if found_inf is not None and defer:
                 self.schedule.record_deferred(found_inf)
             self.schedule.advance(capture_next=bound_now)  # its hooks missed this step's forward: capture next
+        if self.capture_options.chooses_stream:
+            if capture:
+                self.stream_chooser.capture_step_done()
+            else:  # (a step that was due but did not capture, its optimizer bound only now, is not timed)
+                self.stream_chooser.abandon()
+                self.stream_chooser.poll()
 
     def _skipped(self, found_inf: Tensor) -> bool:
         """Read ``found_inf`` (waits for the GPU); when set, drop this step's statistics."""
         if found_inf.item() == 0:
             return False
+        self.stream_chooser.abandon()
         self.binding.discard_pending()
         self.schedule.skipped_now()
         return True
@@ -171,15 +182,23 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
     def _capturing_now(self) -> bool:
         """Whether this step captures, with the skip flags that decide it settled (the hooks ask this)."""
         if self.schedule.settled_due():
-            self.capture_options.apply()
+            self.capture_options.apply(self._chosen_side())
             return True
         return False
+
+    def _chosen_side(self) -> bool:
+        """capture_stream="auto"'s stream for the capture step under way (False otherwise)."""
+        if not self.capture_options.chooses_stream:
+            return False
+        if self._on_cuda is None:
+            self._on_cuda = any(p.is_cuda for p in self._all_params())
+        return self.stream_chooser.side(self._on_cuda)
 
     def _update_factors(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())
         captures = list(self.binding.captures.values())
         with self._observers.around_capture(self):
-            self.capture_options.apply()
+            self.capture_options.apply(self._chosen_side())
             capture_streams.join()  # the statistics were computed beside the backward pass
             self.statistics_reduction.all_reduce(captures, self.statistics_group)
             report = update_factors(captures, self.defaults["gamma"], scale, self.binding.launch_keeper)
@@ -309,8 +328,10 @@ class AdaFisher(_AdaFisherBase):
             ``"reference"`` (the slow oracle) or ``"fused"``; or a ``StepBackend`` instance.
         capture: how the statistics are computed: ``"auto"``, ``"kernels"`` or ``"torch"``
             (``None``: the process default, ``$LIGHTNING_CAFIN_CAPTURE`` or ``auto``).
-        capture_stream: statistics on a side CUDA stream (``True``) or the current one
-            (``False``); ``None``: the process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or off).
+        capture_stream: statistics on a side CUDA stream (``True``), the current one
+            (``False``), or whichever made this model's capture steps faster (``"auto"``: a few
+            capture steps timed each way on the device, without a host sync); ``None``: the
+            process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or off).
         layers: which layer types get factors: ``"all"`` (every built-in type and those added
             with ``lightning_cafin.register_layer``) or ``"paper"`` (exactly the authors' four:
             Linear, Conv2d, BatchNorm2d, LayerNorm, bit-equal to their code).

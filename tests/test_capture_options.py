@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -29,7 +30,7 @@ def test_bad_values_are_refused_naming_the_argument():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"capture must be one of 'auto', 'torch', 'kernels', got 'fast'"):
         AdaFisher(model, capture="fast")
-    with pytest.raises(TypeError, match="capture_stream must be True, False or None"):
+    with pytest.raises(TypeError, match="capture_stream must be True, False, 'auto' or None"):
         AdaFisher(model, capture_stream="off")  # type: ignore[arg-type]
 
 
@@ -75,3 +76,25 @@ def test_explicit_options_apply_when_the_capture_begins(restore):
     plain.zero_grad()
     assert plain.capture_options.impl is None
     assert capture_kernels.get_impl() == "auto"
+
+
+def test_auto_stream_off_the_gpu_keeps_the_current_stream_and_times_nothing(restore):
+    """capture_stream="auto" on CPU parameters: every capture step on the current stream,
+    no event made (the chooser's clock is the GPU's), training as with False."""
+    capture_streams.set_enabled(True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    opt = AdaFisher(model, TCov=1, capture_stream="auto", backend="foreach")
+    ref = AdaFisher(twin, TCov=1, capture_stream=False, backend="foreach")
+    for _ in range(6):
+        x = torch.randn(5, 4)
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            assert not capture_streams.enabled()
+            o.step()
+    assert opt.capture_options.chooses_stream and opt.stream_chooser.choice is None
+    assert opt.stream_chooser.times == {True: [], False: []}
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,104 @@
+"""``capture_stream="auto"``: the side stream or the current one, whichever made this
+model's capture steps faster, measured on its own capture steps.
+
+The side stream (``streams.py``) overlaps the statistics with the backward pass, which
+pays where the backward keeps the device busy and costs where the host is the
+bottleneck: in five runs of the bench matrix it took 0.95x-0.995x of the current
+stream's capture step on ResNet-18 fp32, ResNet-50 and the GPT, and 1.01x-1.04x on the
+host-bound bf16 + channels_last ResNet-18 in four of them.  Which one a model is cannot
+be told from the model; its capture steps tell.
+
+So, after the first capture step (which makes plans and pools, and is not timed), the
+capture steps alternate between the two streams, each timed on the device by two CUDA
+events: one recorded when the step's first hooked forward asks whether to capture, one
+after its optimizer step.  The span is the step as the device ran it, the time it waited
+for the host included.  Once ``TRIALS_PER_STREAM`` steps each way are timed and every
+event has completed (asked with ``Event.query``, never waited for: no host sync), the
+stream with the lower median is kept for the rest of the run.  A capture step skipped by
+the loss scaler is not counted.  Off the GPU, and while a CUDA graph is being captured,
+the current stream is used and nothing is timed.  The choice is not saved with the
+optimizer's state: a resumed run measures again.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: timed capture steps on each stream before choosing
+TRIALS_PER_STREAM = 4
+
+
+def cuda_timing_event() -> Any:
+    """A CUDA event that records time (the chooser's clock)."""
+    return torch.cuda.Event(enable_timing=True)
+
+
+class StreamChooser:
+    """One optimizer's choice of stream for its capture statistics (see the module)."""
+
+    def __init__(self, event: Callable[[], Any] = cuda_timing_event, trials: int = TRIALS_PER_STREAM,
+                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
+        """``event`` makes the clock's events, ``capturing`` tells whether a CUDA graph is
+        being captured now (both the CUDA ones unless a test stands in)."""
+        if trials < 1:
+            raise ValueError(f"trials must be >= 1, got {trials}")
+        self._event, self._trials, self._capturing = event, trials, capturing
+        self.choice: Optional[bool] = None  # True: the side stream; None: not chosen yet
+        self.times: dict[bool, list[float]] = {True: [], False: []}  # ms per timed capture step, once read
+        self._timed: list[tuple[bool, Any, Any]] = []  # (side, start, end) not read yet
+        self._open: Optional[tuple[bool, Any]] = None  # the capture step being timed: (side, start)
+        self._warm = False  # the first capture step is over
+
+    def side(self, on_cuda: bool) -> bool:
+        """The stream for the capture step under way (asked at each of its hooks and at its
+        optimizer step): the choice once made, else this step's trial, whose timing starts
+        at the first ask."""
+        if self.choice is not None:
+            return self.choice
+        if self._open is not None:
+            return self._open[0]
+        if not on_cuda or not self._warm or self._capturing():
+            return False
+        done = len(self._timed) + len(self.times[True]) + len(self.times[False])
+        side = done % 2 == 1  # current, side, current, ...
+        if len([t for t in self._timed if t[0] == side]) + len(self.times[side]) >= self._trials:
+            return False  # this stream's trials are all taken; the others' events are still running
+        start = self._event()
+        start.record()
+        self._open = (side, start)
+        return side
+
+    def capture_step_done(self) -> None:
+        """The capture step's optimizer step has been launched: its timing ends."""
+        self._warm = True
+        if self._open is not None:
+            end = self._event()
+            end.record()
+            self._timed.append((self._open[0], self._open[1], end))
+            self._open = None
+        self.poll()
+
+    def abandon(self) -> None:
+        """The capture step was skipped (non-finite gradients): not counted."""
+        self._open = None
+
+    def poll(self) -> None:
+        """Read the timed steps whose events have completed; choose once all are read."""
+        if self.choice is not None:
+            return
+        while self._timed and self._timed[0][2].query():
+            side, start, end = self._timed.pop(0)
+            self.times[side].append(float(start.elapsed_time(end)))
+        if min(len(self.times[True]), len(self.times[False])) < self._trials:
+            return
+        side_ms, current_ms = statistics.median(self.times[True]), statistics.median(self.times[False])
+        self.choice = side_ms < current_ms
+        log.info("capture_stream='auto': the %s stream (median capture step %.3f ms on the side stream, %.3f ms "
+                 "on the current one, %d steps each)", "side" if self.choice else "current", side_ms, current_ms,
+                 self._trials)

@@ -1,0 +1,51 @@
+"""capture_stream="auto" on the GPU: the chooser times real capture steps with CUDA
+events, chooses a stream without a host sync of its own, and the training is the same
+bit for bit whichever stream the statistics ran on."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin import AdaFisher
+from lightning_cafin.capture import streams as capture_streams
+from lightning_cafin.capture.stream_choice import TRIALS_PER_STREAM
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_auto_times_capture_steps_each_way_chooses_and_trains_as_the_current_stream(fused_ok):
+    previous = capture_streams.enabled()
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(16 * 8 * 8, 10)).cuda()
+        twin = copy.deepcopy(model)
+        opt = AdaFisher(model, TCov=1, capture_stream="auto")
+        ref = AdaFisher(twin, TCov=1, capture_stream=False)
+        seen_side = set()
+        for i in range(2 * TRIALS_PER_STREAM + 4):
+            x = torch.randn(8, 3, 8, 8, device="cuda")
+            for m, o in ((model, opt), (twin, ref)):
+                o.zero_grad()
+                m(x).logsumexp(1).sum().backward()
+                if o is opt:
+                    seen_side.add(capture_streams.enabled())
+                o.step()
+            if i == 2 * TRIALS_PER_STREAM:
+                torch.cuda.synchronize()  # (the test's own wait: every timed step's events done)
+        chooser = opt.stream_chooser
+        assert seen_side == {True, False}  # both streams were tried
+        assert chooser.choice is not None
+        for side in (True, False):
+            assert len(chooser.times[side]) == TRIALS_PER_STREAM and all(t > 0 for t in chooser.times[side])
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    finally:
+        capture_streams.set_enabled(previous)
