@@ -49,10 +49,10 @@ by 0.5-4%) and cost where the host is the bottleneck (bf16 + channels_last ResNe
 synchronised steps (side stream, current stream), a capture step took +0.49 / +1.15 ms above a
 normal step on ResNet-18 fp32, +1.99 / +1.64 ms on bf16 + channels_last, 1.066x / 1.098x on
 ResNet-50 and 1.040x / 1.049x on the GPT: the side stream would have met two more of the
-capture step's goals, and missed bf16 + channels_last's by more.  A default that chose per
-model (say by timing a few capture steps each way with events read once done, or by a
-capture step's host time against its device time) could take the gain where it exists;
-none is built.
+capture step's goals, and missed bf16 + channels_last's by more.  ``capture_stream="auto"``
+(``stream_choice.py``) chooses per model by timing a few of its capture steps each way,
+with events read once done; it is an option, not the default, until the bench matrix has
+timed it against both.
 The bench matrix times both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model
 whose backward leaves the host idle for long GPU kernels may gain from it
 (``capture_stream=True``).
