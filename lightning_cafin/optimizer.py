@@ -94,7 +94,6 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
             self.capture_options = CaptureOptions()
         #: capture_stream="auto"'s choice, from this optimizer's timed capture steps
         self.stream_chooser = StreamChooser()
-        self._on_cuda: Optional[bool] = None  # whether the parameters are on a CUDA device (first asked)
         #: process group whose ranks' statistics are summed on capture steps (None: the default group)
         self.statistics_group: Any = None
         #: the capture step's one all-reduce of every layer's statistics (``last``: what it sent)
@@ -190,9 +189,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         """capture_stream="auto"'s stream for the capture step under way (False otherwise)."""
         if not self.capture_options.chooses_stream:
             return False
-        if self._on_cuda is None:
-            self._on_cuda = any(p.is_cuda for p in self._all_params())
-        return self.stream_chooser.side(self._on_cuda)
+        first = next((p for group in self.param_groups for p in group["params"]), None)  # (asked per hook: O(1))
+        return self.stream_chooser.side(first is not None and first.is_cuda)
 
     def _update_factors(self, grad_scale: Optional[Tensor]) -> None:
         scale = None if grad_scale is None else float(grad_scale.item())
