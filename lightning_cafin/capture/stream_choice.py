@@ -65,10 +65,10 @@ class StreamChooser:
             return self._open[0]
         if not on_cuda or not self._warm or self._capturing():
             return False
-        done = len(self._timed) + len(self.times[True]) + len(self.times[False])
-        side = done % 2 == 1  # current, side, current, ...
-        if len([t for t in self._timed if t[0] == side]) + len(self.times[side]) >= self._trials:
-            return False  # this stream's trials are all taken; the others' events are still running
+        taken = len(self._timed) + len(self.times[True]) + len(self.times[False])
+        if taken >= 2 * self._trials:
+            return False  # every trial is taken; their events are still running
+        side = taken % 2 == 1  # current, side, current, ...: as many each way
         start = self._event()
         start.record()
         self._open = (side, start)
