@@ -29,7 +29,6 @@ are left out, as in the floor.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
+from lightning_cafin.bench.timing import device_us_per_call
 from lightning_cafin.bench.workloads import NAMES, Workload, workloads
 from lightning_cafin.kernels import load_extension
 
@@ -97,41 +97,6 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
         pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
                                "window" if stats.input_op[0] == 1 else "rows"))
     return pairs
-
-
-def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.device, reps: int,
-                       rounds: int) -> list[list[float]]:
-    """Median microseconds per call of every ``calls[i][j]``: on a GPU the device time of the
-    kernels each call launches (``torch.profiler``, summed under a ``record_function`` range
-    around ``reps`` calls), so that neither the host's launch rate nor the gaps between
-    launches count; on a CPU (a smoke run) the host time of the range.  One profiled pass over
-    every call per round, ``rounds`` rounds (interleaved)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    on_gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    samples: dict[tuple[int, int], list[float]] = {}
-    for row in calls:  # (a warm-up call each: first launches, allocator)
-        for fn in row:
-            fn()
-    for _ in range(rounds):
-        with profile(activities=activities) as prof:
-            for i, row in enumerate(calls):
-                for j, fn in enumerate(row):
-                    with record_function(f"statistics_bandwidth/{i}/{j}"):
-                        for _ in range(reps):
-                            fn()
-            if on_gpu:
-                torch.cuda.synchronize(device)
-        for e in prof.events():
-            if e.name.startswith("statistics_bandwidth/") and e.device_type == torch.autograd.DeviceType.CPU:
-                i, j = (int(k) for k in e.name.split("/")[1:])
-                total = getattr(e, "device_time_total", None) if on_gpu else e.cpu_time_total
-                samples.setdefault((i, j), []).append(float(total if total is not None else e.cuda_time_total) / reps)
-    if on_gpu and calls and not any(t > 0 for ts in samples.values() for t in ts):
-        raise RuntimeError("torch.profiler gave the timed calls no device time (no kernel was attributed to their "
-                           "record_function ranges): this torch's profiler cannot time them here")
-    return [[statistics.median(samples[(i, j)]) for j in range(len(row))] for i, row in enumerate(calls)]
 
 
 def torch_read(pair: LayerPair) -> Callable[[], object]:

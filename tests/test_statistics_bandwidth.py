@@ -59,19 +59,3 @@ def test_cuda_without_a_gpu_is_refused_with_the_smoke_run_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="pass --device cpu --quick"):
         load().parse([])
-
-
-def test_calls_the_profiler_gives_no_device_time_are_refused_not_reported_as_zero(monkeypatch):
-    """On a GPU the figures are the device time the profiler attributes to each call's range;
-    where it attributes none (here: CPU work timed as if on a GPU), the script says so rather
-    than report every layer at 0 us (infinitely fast)."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    x = torch.randn(64, 64)
-    with pytest.raises(RuntimeError, match="gave the timed calls no device time"):
-        load().device_us_per_call([[lambda: x.sum(), lambda: x.square().sum()]], torch.device("cuda"), 2, 1)
-
-
-def test_cpu_figures_are_each_calls_host_time_per_call():
-    x = torch.randn(256, 256)
-    (fast, slow), = load().device_us_per_call([[lambda: x.sum(), lambda: [x @ x for _ in range(20)]]], CPU, 2, 3)
-    assert 0 < fast < slow

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..monitor.memory import TemporaryMemory
 
@@ -183,3 +184,36 @@ def spread(xs: Sequence[float]) -> dict[str, Any]:
 def spread_text(sp: dict[str, float]) -> str:
     """A :func:`spread` as the tables print it: ``median [p10, p90]``, two decimals."""
     return f"{sp['median']:.2f} [{sp['p10']:.2f}, {sp['p90']:.2f}]"
+
+
+def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.device, reps: int,
+                       rounds: int) -> list[list[float]]:
+    """Median microseconds per call of every ``calls[i][j]``: on a GPU the device time of the
+    kernels each call launches (``torch.profiler``, summed under a ``record_function`` range
+    around ``reps`` calls), so that neither the host's launch rate nor the gaps between
+    launches count; on a CPU (a smoke run) the host time of the range.  One profiled pass over
+    every call per round, ``rounds`` rounds (interleaved)."""
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    samples: dict[tuple[int, int], list[float]] = {}
+    for row in calls:  # (a warm-up call each: first launches, allocator)
+        for fn in row:
+            fn()
+    for _ in range(rounds):
+        with profile(activities=activities) as prof:
+            for i, row in enumerate(calls):
+                for j, fn in enumerate(row):
+                    with record_function(f"device_us_per_call/{i}/{j}"):
+                        for _ in range(reps):
+                            fn()
+            if on_gpu:
+                torch.cuda.synchronize(device)
+        for e in prof.events():
+            if e.name.startswith("device_us_per_call/") and e.device_type == torch.autograd.DeviceType.CPU:
+                i, j = (int(k) for k in e.name.split("/")[1:])
+                total = getattr(e, "device_time_total", None) if on_gpu else e.cpu_time_total
+                samples.setdefault((i, j), []).append(float(total if total is not None else e.cuda_time_total) / reps)
+    if on_gpu and calls and not any(t > 0 for ts in samples.values() for t in ts):
+        raise RuntimeError("torch.profiler gave the timed calls no device time (no kernel was attributed to their "
+                           "record_function ranges): this torch's profiler cannot time them here")
+    return [[statistics.median(samples[(i, j)]) for j in range(len(row))] for i, row in enumerate(calls)]
