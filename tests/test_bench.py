@@ -92,8 +92,11 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 12 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 14 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
+        auto = wl["sync"]["auto_stream"]  # capture_stream="auto" timed beside the fixed streams; off the GPU no choice
+        assert (auto["side"] is None) == (not torch.cuda.is_available()), auto
+        assert wl["sync"]["capture_auto_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
@@ -101,9 +104,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 12 figures, then the callback's 3
-    assert last[-52].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-51:-3])
+    # the goals table prints last: 4 workloads x 14 figures, then the callback's 3
+    assert last[-60].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-59:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
@@ -239,8 +242,8 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
 def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
     """A user's capture steps repeat one another, so each takes the factor update kept from
     the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
-    though it times a capture step with the Python hooks and one on the side stream between
-    them, and it records that they did (with a stand-in extension that counts the layers
+    though it times a capture step with the Python hooks, one on the side stream and one with
+    capture_stream="auto" between them, and it records that they did (with a stand-in extension that counts the layers
     each kept launch took)."""
     from lightning_cafin.bench.matrix import (NEVER, adafisher, capture_step_on_side_stream,
                                               capture_step_with_python_hooks, measure_host_phases,
@@ -253,8 +256,8 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     assert r["sync"]["capture_kept_launch_share"] == 1.0 and r["host"]["capture_kept_launch_share"] == 1.0
     layers = r["host"]["layers"]
     # the untimed capture step kept it; every timed C++-tap capture step took it: each round's
-    # current-stream and side-stream ones, then the host phases' ones
-    assert kernels_on_cpu.calls == [layers] * (3 * cfg.sync_reps)
+    # current-stream, side-stream and capture_stream="auto" ones, then the host phases' ones
+    assert kernels_on_cpu.calls == [layers] * (4 * cfg.sync_reps)
 
     kernels_on_cpu.calls.clear()
     t = adafisher(wl, dev, wl.batch(dev), NEVER)

@@ -62,6 +62,7 @@ from torch import nn
 
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
+from ..capture.stream_choice import TRIALS_PER_STREAM
 from ..capture_options import CaptureOptions
 from .floor import statistics_floor
 from .goals import goal_rows
@@ -216,6 +217,42 @@ def capture_step_on_side_stream(t: Trainer) -> None:
         t.capture_step()
 
 
+@contextlib.contextmanager
+def stream_chosen_by_timing(t: Trainer) -> Iterator[None]:
+    """Inside: ``t``'s optimizer has ``capture_stream="auto"``, the stream its capture steps'
+    timings choose (``capture/stream_choice.py``; its choice is kept across uses); its options
+    and the process-wide stream setting are restored on the way out."""
+    options, previous = t.opt.capture_options, capture_streams.enabled()
+    t.opt.capture_options = CaptureOptions.checked(None, "auto")
+    try:
+        yield
+    finally:
+        t.opt.capture_options = options
+        capture_streams.set_enabled(previous)
+
+
+def capture_step_with_auto_stream(t: Trainer) -> None:
+    """A capture step on the stream ``capture_stream="auto"`` uses (:func:`stream_chosen_by_timing`)."""
+    with stream_chosen_by_timing(t):
+        t.capture_step()
+
+
+def choose_stream(t: Trainer) -> dict[str, Any]:
+    """Run ``t``'s capture steps with ``capture_stream="auto"``, synchronised as the timed
+    rounds are, until its timings have chosen a stream (its untimed first step and its trials
+    each way), so that the timed auto steps are the run's steps after the choice.  Returns the
+    choice (``side``: True for the side stream) and the trials' medians in ms."""
+    chooser = t.opt.stream_chooser
+    if t.device.type == "cuda":  # (elsewhere nothing is timed: the current stream, no choice)
+        for _ in range(2 * TRIALS_PER_STREAM + 4):  # (the first capture step, the trials, their events' completion)
+            capture_step_with_auto_stream(t)
+            sync(t.device)
+            chooser.poll()
+            if chooser.choice is not None:
+                break
+    return {"side": chooser.choice, "trial_ms": {"side": chooser.times[True], "current": chooser.times[False]}}
+
+
 def capture_step_with_python_hooks(t: Trainer) -> None:
     """A capture step with the statistics taken by Python tensor hooks (the alternative to
     the default C++ gradient taps, ``capture/taps.py``); the process-wide setting is
@@ -294,13 +331,16 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     # an untimed capture step: a training run's capture steps repeat one another, each taking
     # the factor update the one before kept, and the timed ones then do as well
     ada.capture_step()
+    auto = choose_stream(ada)
     on_side = functools.partial(capture_step_on_side_stream, ada)
+    on_auto = functools.partial(capture_step_with_auto_stream, ada)
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     kept = KeptShare(ada)
     sync = interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
                         "normal": functools.partial(elapsed_ms, ada.step, device),
                         "capture": kept.counted(functools.partial(elapsed_ms, ada.capture_step, device)),
                         "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
+                        "capture_auto_stream": functools.partial(elapsed_ms, on_auto, device),
                         "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
@@ -320,6 +360,11 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_above_normal_ms": paired(sync["capture"], sync["normal"], diff),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
                  "side_vs_current_stream_ratio": paired(sync["capture_side_stream"], sync["capture"], ratio),
+                 "auto_stream": auto,
+                 "capture_auto_stream_ms": spread(sync["capture_auto_stream"]),
+                 "auto_vs_current_stream_ratio": paired(sync["capture_auto_stream"], sync["capture"], ratio),
+                 "auto_stream_vs_normal_ratio": paired(sync["capture_auto_stream"], sync["normal"], ratio),
+                 "auto_stream_above_normal_ms": paired(sync["capture_auto_stream"], sync["normal"], diff),
                  "capture_uses_taps": capture_taps.enabled(),
                  "capture_kept_launch_share": kept.share,
                  "capture_python_hooks_ms": spread(sync["capture_python_hooks"]),
@@ -387,6 +432,11 @@ def measure(wl: Workload, device: torch.device, cfg: MatrixConfig) -> dict[str, 
     return result
 
 
+def stream_named(side: Optional[bool]) -> str:
+    """``capture_stream="auto"``'s choice in words."""
+    return "no choice" if side is None else "chose the side stream" if side else "chose the current stream"
+
+
 def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     """Each figure of issue 16's goals, with the goal, its 90% interval and the verdicts."""
     p, s = r["pipelined"], r["sync"]
@@ -409,8 +459,15 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         rows.append(("sync capture step vs normal", med(s["capture_vs_normal_ratio"]), "x", CAPTURE_LIMIT_RATIO))
     rows += [("sync capture step, statistics on a side stream vs the current stream",
-              med(s["side_vs_current_stream_ratio"]), "x", None),
-             ("sync capture step, Python hooks vs C++ gradient taps (the default)",
+              med(s["side_vs_current_stream_ratio"]), "x", None)]
+    if "auto_stream" in s:  # (older runs did not time it; the stream it chose is in the detail table)
+        rows.append(("sync capture step, capture_stream='auto' vs the current stream",
+                     med(s["auto_vs_current_stream_ratio"]), "x", None))
+        rows.append(("sync capture step above normal, capture_stream='auto'", med(s["auto_stream_above_normal_ms"]),
+                     "ms", None) if wl.capture_goal == "ms" else
+                    ("sync capture step vs normal, capture_stream='auto'", med(s["auto_stream_vs_normal_ratio"]),
+                     "x", None))
+    rows += [("sync capture step, Python hooks vs C++ gradient taps (the default)",
               med(s["python_hooks_vs_capture_ratio"]), "x", None),
              ("capture-step peak memory vs normal", (r["memory"]["capture_vs_normal_ratio"], None), "x", 1.05),
              ("capture-step peak memory, statistics on a side stream, vs normal",
@@ -432,6 +489,8 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      f"; TCov=1 on a side stream {ms(p[SIDE_BLOCKS]['ms'])}")
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
+                     + (f"capture_stream='auto' ({stream_named(s['auto_stream']['side'])}) "
+                        f"{ms(s['capture_auto_stream_ms'])}; " if "auto_stream" in s else "") +
                      f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")
         if "capture_kept_launch_share" in s:  # (older runs did not record it)
             lines.append(f"  timed capture steps that took the kept factor update: sync {s['capture_kept_launch_share']:.0%}"
