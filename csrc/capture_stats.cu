@@ -61,33 +61,16 @@ __device__ __forceinline__ Range split_range(int64_t n, int parts, int k) {
   return {lo < n ? lo : n, lo + per < n ? lo + per : n};
 }
 
-// sum_{k < nmaps} m[k * M], added in order k = 0, 1, ... (phase 2's read of the batch-split
-// partial maps at one position), four loads in flight: one at a time, a chunk's positions
-// were a chain of dependent L2 round trips, most of a small layer's phase 2.
-__device__ __forceinline__ float sum_maps(const float* __restrict__ m, int nmaps, int64_t M) {
-  float v = 0.f;
-  int k = 0;
-  for (; k + 4 <= nmaps; k += 4) {
-    const float u0 = m[k * M], u1 = m[(k + 1) * M], u2 = m[(k + 2) * M], u3 = m[(k + 3) * M];
-    v += u0;
-    v += u1;
-    v += u2;
-    v += u3;
-  }
-  for (; k < nmaps; ++k) v += m[k * M];
-  return v;
-}
-
-// v[u] = sum_maps(maps + off[u], nmaps, M) for kPositionsInFlight positions at once, each added in the same
-// order (so the same sums bit for bit), every position's loads of four maps in flight
-// together: position by position, a thread's few positions in a chunk were as many chains
-// of L2 round trips, and phase 2 of a channels_last layer took longer than reading the
-// activation.  off[u] must be a position of the map (a thread's positions past its chunk
-// pass one inside it and drop the sum).
-constexpr int kPositionsInFlight = 4;
-__device__ __forceinline__ void sum_maps_at(const float* __restrict__ maps, const int64_t (&off)[kPositionsInFlight],
-                                            int nmaps, int64_t M, float (&v)[kPositionsInFlight]) {
-  constexpr int P = kPositionsInFlight;
+// v[u] = sum_{k < nmaps} maps[off[u] + k * M] for P positions at once (phase 2's read of
+// the batch-split partial maps), each added in order k = 0, 1, ..., every position's loads
+// of four maps in flight together: one load at a time, a chunk's positions were a chain of
+// dependent L2 round trips, most of a small layer's phase 2, and position by position
+// phase 2 of a channels_last layer took longer than reading the activation.  off[u] must
+// be a position of the map (a thread's positions past its chunk pass one inside it and drop
+// the sum).
+template <int P>
+__device__ __forceinline__ void sum_maps_at(const float* __restrict__ maps, const int64_t (&off)[P], int nmaps,
+                                            int64_t M, float (&v)[P]) {
 #pragma unroll
   for (int u = 0; u < P; ++u) v[u] = 0.f;
   int k = 0;
@@ -112,6 +95,17 @@ __device__ __forceinline__ void sum_maps_at(const float* __restrict__ maps, cons
     for (int u = 0; u < P; ++u) v[u] += l[u];
   }
 }
+
+// The one-position case: sum_{k < nmaps} m[k * M], in the same order.
+__device__ __forceinline__ float sum_maps(const float* __restrict__ m, int nmaps, int64_t M) {
+  const int64_t off[1] = {0};
+  float v[1];
+  sum_maps_at<1>(m, off, nmaps, M, v);
+  return v[0];
+}
+
+// Positions a thread of the channel-side-by-side kernels sums at once (sum_maps_at).
+constexpr int kPositionsInFlight = 4;
 
 // The last-block reduction: every block along y has stored its partial for column
 // blockIdx.x; true (in every thread) in the one block that finished that column last,
