@@ -96,7 +96,8 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
         auto = wl["sync"]["auto_stream"]  # capture_stream="auto" timed beside the fixed streams; off the GPU no choice
         assert (auto["side"] is None) == (not torch.cuda.is_available()), auto
-        assert wl["sync"]["capture_auto_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
+        for stream in ("current", "side", "auto"):  # each setting timed explicitly, as often as the default
+            assert wl["sync"][f"capture_{stream}_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"], stream
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
@@ -202,7 +203,7 @@ def test_quick_matrix_on_the_gpu(tmp_path):
 
 
 def test_the_side_stream_capture_step_restores_the_options_and_the_stream_setting():
-    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_on_side_stream
+    from lightning_cafin.bench.matrix import NEVER, adafisher, capture_step_on
     from lightning_cafin.capture import streams
 
     dev = torch.device("cpu")
@@ -213,7 +214,7 @@ def test_the_side_stream_capture_step_restores_the_options_and_the_stream_settin
     try:
         seen = []
         t.opt.register_step_pre_hook(lambda opt, args, kwargs: seen.append((opt.capture_due, streams.enabled())))
-        capture_step_on_side_stream(t)
+        capture_step_on(t, True)
         assert seen == [(True, True)]  # the step captured, with the side stream on
         assert t.opt.capture_options is options and streams.enabled() is False
     finally:
@@ -242,10 +243,10 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
 def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
     """A user's capture steps repeat one another, so each takes the factor update kept from
     the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
-    though it times a capture step with the Python hooks, one on the side stream and one with
-    capture_stream="auto" between them, and it records that they did (with a stand-in extension that counts the layers
-    each kept launch took)."""
-    from lightning_cafin.bench.matrix import (NEVER, adafisher, capture_step_on_side_stream,
+    though it times a capture step with the Python hooks and one with each stream setting
+    between them, and it records that they did (with a stand-in extension that counts the
+    layers each kept launch took)."""
+    from lightning_cafin.bench.matrix import (NEVER, STREAM_SETTINGS, adafisher, capture_step_on,
                                               capture_step_with_python_hooks, measure_host_phases,
                                               measure_sync_step_state)
 
@@ -256,8 +257,8 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     assert r["sync"]["capture_kept_launch_share"] == 1.0 and r["host"]["capture_kept_launch_share"] == 1.0
     layers = r["host"]["layers"]
     # the untimed capture step kept it; every timed C++-tap capture step took it: each round's
-    # current-stream, side-stream and capture_stream="auto" ones, then the host phases' ones
-    assert kernels_on_cpu.calls == [layers] * (4 * cfg.sync_reps)
+    # default one and one per stream setting, then the host phases' ones
+    assert kernels_on_cpu.calls == [layers] * ((2 + len(STREAM_SETTINGS)) * cfg.sync_reps)
 
     kernels_on_cpu.calls.clear()
     t = adafisher(wl, dev, wl.batch(dev), NEVER)
@@ -265,7 +266,7 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     host = measure_host_phases(t, reps=3)  # normal, capture, capture with Python hooks; three times
     # the first timed capture step makes every slot and keeps the launch; the next two take it
     assert kernels_on_cpu.calls == [layers, layers] and host["capture_kept_launch_share"] == 2 / 3
-    capture_step_on_side_stream(t)
+    capture_step_on(t, True)
     capture_step_with_python_hooks(t)
     t.capture_step()
     assert kernels_on_cpu.calls == [layers] * 4  # the side stream's took it, the Python hooks' left it

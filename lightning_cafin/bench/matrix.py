@@ -15,10 +15,11 @@ For each workload (``workloads.py``), on the same model, batch and precision:
 * ``sync``: one train step at a time with a synchronisation after each (what a loop that
   reads the loss every step sees): Adam's step, AdaFisher's normal step and its capture
   step, interleaved; medians, p10/p90 and the median's 90% interval (``ci90``) of the
-  paired ratios and differences.  The capture step is also timed with its statistics on a
-  side stream (``capture_stream=True``) beside the default current stream, and with Python
-  tensor hooks beside the default C++ gradient taps, so that each default is checked
-  against a figure measured side by side.  The rounds start after an untimed capture
+  paired ratios and differences.  The capture step is also timed with each stream setting
+  explicitly (``STREAM_SETTINGS``: the current stream, the side stream, and
+  ``capture_stream="auto"`` after its trials, ``choose_stream``), and with Python tensor
+  hooks beside the default C++ gradient taps, so that each default is checked against a
+  figure measured side by side.  The rounds start after an untimed capture
   step: a training run's capture steps repeat one another, each taking the factor update
   the one before kept (``capture/factors.py``, ``KeptLaunch``), and so do the timed ones,
   the Python hooks' between them notwithstanding (``capture_kept_launch_share``: the
@@ -63,7 +64,7 @@ from torch import nn
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
 from ..capture.stream_choice import TRIALS_PER_STREAM
-from ..capture_options import CaptureOptions
+from ..capture_options import CaptureOptions, StreamOption
 from .floor import statistics_floor
 from .goals import goal_rows
 from .launches import capture_launches
@@ -77,6 +78,8 @@ TCOVS = (100, 10, 1)
 CAPTURE_LIMIT_MS, CAPTURE_LIMIT_RATIO = 1.0, 1.05
 #: the pipelined blocks at TCov = 1 with the statistics on the side stream
 SIDE_BLOCKS = "tcov1_side_stream"
+#: the stream settings whose capture steps the sync rounds time explicitly, by name
+STREAM_SETTINGS: dict[str, StreamOption] = {"current": False, "side": True, "auto": "auto"}
 #: AdaFisher's schedule in the sync / memory / step measurements: only forced steps capture
 NEVER = 10**9
 
@@ -176,7 +179,7 @@ def _memory_of(name: str, wl: Workload, device: torch.device, batch, cfg: Matrix
     t.steps(cfg.warmup)
     kinds: dict[str, Callable[[], Any]] = {"normal": t.step}
     if name != "adam":  # (the side stream holds the activation and gradient it reads until it has read them)
-        kinds.update(capture=t.capture_step, capture_side_stream=functools.partial(capture_step_on_side_stream, t))
+        kinds.update(capture=t.capture_step, capture_side_stream=functools.partial(capture_step_on, t, True))
     row: dict[str, float] = {}
     for kind, fn in kinds.items():
         before, peak = run_peak(fn, device)
@@ -198,12 +201,14 @@ def measure_memory(wl: Workload, device: torch.device, batch, cfg: MatrixConfig)
 
 
 @contextlib.contextmanager
-def statistics_on_side_stream(t: Trainer) -> Iterator[None]:
-    """Inside: ``t``'s optimizer puts its statistics on the side stream (``capture_stream=True``,
-    the alternative to the default); its options and the process-wide stream setting (which
-    an explicit option changes for every optimizer) are restored on the way out."""
+def capture_stream_set(t: Trainer, stream: StreamOption) -> Iterator[None]:
+    """Inside: ``t``'s optimizer has ``capture_stream=stream`` (``True``: the statistics on the
+    side stream; ``False``: on the current stream; ``"auto"``: the one its capture steps'
+    timings chose, ``capture/stream_choice.py``, a choice kept across uses); its options and
+    the process-wide stream setting (which an explicit option changes for every optimizer)
+    are restored on the way out."""
     options, previous = t.opt.capture_options, capture_streams.enabled()
-    t.opt.capture_options = CaptureOptions.checked(None, True)
+    t.opt.capture_options = CaptureOptions.checked(None, stream)
     try:
         yield
     finally:
@@ -211,29 +216,9 @@ def statistics_on_side_stream(t: Trainer) -> Iterator[None]:
         capture_streams.set_enabled(previous)
 
 
-def capture_step_on_side_stream(t: Trainer) -> None:
-    """A capture step with the statistics on the side stream (:func:`statistics_on_side_stream`)."""
-    with statistics_on_side_stream(t):
-        t.capture_step()
-
-
-@contextlib.contextmanager
-def stream_chosen_by_timing(t: Trainer) -> Iterator[None]:
-    """Inside: ``t``'s optimizer has ``capture_stream="auto"``, the stream its capture steps'
-    timings choose (``capture/stream_choice.py``; its choice is kept across uses); its options
-    and the process-wide stream setting are restored on the way out."""
-    options, previous = t.opt.capture_options, capture_streams.enabled()
-    t.opt.capture_options = CaptureOptions.checked(None, "auto")
-    try:
-        yield
-    finally:
-        t.opt.capture_options = options
-        capture_streams.set_enabled(previous)
-
-
-def capture_step_with_auto_stream(t: Trainer) -> None:
-    """A capture step on the stream ``capture_stream="auto"`` uses (:func:`stream_chosen_by_timing`)."""
-    with stream_chosen_by_timing(t):
+def capture_step_on(t: Trainer, stream: StreamOption) -> None:
+    """A capture step with ``capture_stream=stream`` (:func:`capture_stream_set`)."""
+    with capture_stream_set(t, stream):
         t.capture_step()
 
 
@@ -241,11 +226,12 @@ def choose_stream(t: Trainer) -> dict[str, Any]:
     """Run ``t``'s capture steps with ``capture_stream="auto"``, synchronised as the timed
     rounds are, until its timings have chosen a stream (its untimed first step and its trials
     each way), so that the timed auto steps are the run's steps after the choice.  Returns the
-    choice (``side``: True for the side stream) and the trials' medians in ms."""
+    choice (``side``: True for the side stream, None where nothing was timed) and each trial's
+    time in ms, by stream."""
     chooser = t.opt.stream_chooser
     if t.device.type == "cuda":  # (elsewhere nothing is timed: the current stream, no choice)
         for _ in range(2 * TRIALS_PER_STREAM + 4):  # (the first capture step, the trials, their events' completion)
-            capture_step_with_auto_stream(t)
+            capture_step_on(t, "auto")
             sync(t.device)
             chooser.poll()
             if chooser.choice is not None:
@@ -332,16 +318,14 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     # the factor update the one before kept, and the timed ones then do as well
     ada.capture_step()
     auto = choose_stream(ada)
-    on_side = functools.partial(capture_step_on_side_stream, ada)
-    on_auto = functools.partial(capture_step_with_auto_stream, ada)
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     kept = KeptShare(ada)
-    sync = interleaved({"adam": functools.partial(elapsed_ms, base.step, device),
-                        "normal": functools.partial(elapsed_ms, ada.step, device),
-                        "capture": kept.counted(functools.partial(elapsed_ms, ada.capture_step, device)),
-                        "capture_side_stream": functools.partial(elapsed_ms, on_side, device),
-                        "capture_auto_stream": functools.partial(elapsed_ms, on_auto, device),
-                        "capture_python_hooks": functools.partial(elapsed_ms, with_hooks, device)}, cfg.sync_reps)
+    timed = {"adam": base.step, "normal": ada.step, "capture": kept.counted(ada.capture_step),
+             # each stream setting explicitly, whichever the default is
+             **{f"capture_{name}_stream": functools.partial(capture_step_on, ada, stream)
+                for name, stream in STREAM_SETTINGS.items()},
+             "capture_python_hooks": with_hooks}
+    sync = interleaved({k: functools.partial(elapsed_ms, fn, device) for k, fn in timed.items()}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
         return elapsed_ms(functools.partial(t.optimizer_steps, cfg.block), device) / cfg.block
@@ -358,11 +342,14 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "normal_vs_adam_ratio": paired(sync["normal"], sync["adam"], ratio),
                  "capture_vs_normal_ratio": paired(sync["capture"], sync["normal"], ratio),
                  "capture_above_normal_ms": paired(sync["capture"], sync["normal"], diff),
+                 "capture_current_stream_ms": spread(sync["capture_current_stream"]),
                  "capture_side_stream_ms": spread(sync["capture_side_stream"]),
-                 "side_vs_current_stream_ratio": paired(sync["capture_side_stream"], sync["capture"], ratio),
+                 "side_vs_current_stream_ratio": paired(sync["capture_side_stream"], sync["capture_current_stream"],
+                                                        ratio),
                  "auto_stream": auto,
                  "capture_auto_stream_ms": spread(sync["capture_auto_stream"]),
-                 "auto_vs_current_stream_ratio": paired(sync["capture_auto_stream"], sync["capture"], ratio),
+                 "auto_vs_current_stream_ratio": paired(sync["capture_auto_stream"], sync["capture_current_stream"],
+                                                        ratio),
                  "auto_stream_vs_normal_ratio": paired(sync["capture_auto_stream"], sync["normal"], ratio),
                  "auto_stream_above_normal_ms": paired(sync["capture_auto_stream"], sync["normal"], diff),
                  "capture_uses_taps": capture_taps.enabled(),
@@ -389,7 +376,7 @@ def measure_pipelined(wl: Workload, device: torch.device, batch, cfg: MatrixConf
 
     def setting(k: str, t: Trainer) -> contextlib.AbstractContextManager:
         """Where trainer ``k`` runs, its warm-up too: the side-stream blocks' with their statistics there."""
-        return statistics_on_side_stream(t) if k == SIDE_BLOCKS else contextlib.nullcontext()
+        return capture_stream_set(t, True) if k == SIDE_BLOCKS else contextlib.nullcontext()
 
     def block(k: str, t: Trainer) -> float:
         with setting(k, t):
@@ -488,6 +475,8 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      "; ".join(f"TCov={c} {ms(p[f'tcov{c}']['ms'])}" for c in TCOVS) +
                      f"; TCov=1 on a side stream {ms(p[SIDE_BLOCKS]['ms'])}")
         lines.append(f"  sync ms/step: Adam {ms(s['adam_ms'])}; normal {ms(s['normal_ms'])}; capture {ms(s['capture_ms'])}; "
+                     + (f"on the current stream {ms(s['capture_current_stream_ms'])}; "
+                        if "capture_current_stream_ms" in s else "") +
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
                      + (f"capture_stream='auto' ({stream_named(s['auto_stream']['side'])}) "
                         f"{ms(s['capture_auto_stream_ms'])}; " if "auto_stream" in s else "") +
