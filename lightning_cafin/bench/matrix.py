@@ -320,11 +320,10 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     auto = choose_stream(ada)
     with_hooks = functools.partial(capture_step_with_python_hooks, ada)
     kept = KeptShare(ada)
-    timed = {"adam": base.step, "normal": ada.step, "capture": kept.counted(ada.capture_step),
-             # each stream setting explicitly, whichever the default is
-             **{f"capture_{name}_stream": functools.partial(capture_step_on, ada, stream)
-                for name, stream in STREAM_SETTINGS.items()},
-             "capture_python_hooks": with_hooks}
+    timed: dict[str, Callable[[], object]] = {"adam": base.step, "normal": ada.step, "capture": kept.counted(ada.capture_step)}
+    for name, stream in STREAM_SETTINGS.items():  # each stream setting explicitly, whichever the default is
+        timed[f"capture_{name}_stream"] = functools.partial(capture_step_on, ada, stream)
+    timed["capture_python_hooks"] = with_hooks
     sync = interleaved({k: functools.partial(elapsed_ms, fn, device) for k, fn in timed.items()}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
     def per_step(t: Trainer) -> float:
