@@ -38,7 +38,7 @@ from torch import Tensor
 
 from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
 from lightning_cafin.bench.timing import device_us_per_call
-from lightning_cafin.bench.workloads import NAMES, Workload, workloads
+from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 from lightning_cafin.kernels import load_extension
 
 
@@ -133,34 +133,17 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int)
     return "\n".join(lines)
 
 
+#: the script's counts: flag -> (default, help)
+COUNTS = {"reps": (10, "calls between two events"), "rounds": (5, "interleaved rounds per layer"),
+          "top": (15, "layers listed per workload")}
+
+
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run: ATen stands in)")
-    ap.add_argument("--quick", action="store_true", help="the tiny workloads")
-    ap.add_argument("--reps", type=int, default=10, help="calls between two events (default 10)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per layer (default 5)")
-    ap.add_argument("--top", type=int, default=15, help="layers listed per workload (default 15)")
-    args = ap.parse_args(argv)
-    if args.workload != "all" and args.workload not in NAMES:
-        raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
-    for flag in ("reps", "rounds", "top"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.device not in ("cuda", "cpu"):
-        raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu --quick for a smoke run)")
-    return args
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse(argv)
-    device = torch.device(args.device)
-    every = workloads(device, args.quick)
-    for name in NAMES if args.workload == "all" else [args.workload]:
-        print(report(every[name], device, args.reps, args.rounds, args.top), flush=True)
-    return 0
+    return print_reports(parse(argv), lambda wl, device, a: report(wl, device, a.reps, a.rounds, a.top))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_cafin.bench.timing import device_us_per_call
-from lightning_cafin.bench.workloads import NAMES, Workload, workloads
+from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 
 #: AdaFisher's schedule here: only the first step captures (the factors the normal steps use)
 NEVER = 10**9
@@ -80,33 +80,16 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int) -> str:
     ])
 
 
+#: the script's counts: flag -> (default, help)
+COUNTS = {"reps": (10, "steps per profiled range"), "rounds": (5, "interleaved rounds")}
+
+
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
-    ap.add_argument("--quick", action="store_true", help="the tiny workloads")
-    ap.add_argument("--reps", type=int, default=10, help="steps per profiled range (default 10)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    args = ap.parse_args(argv)
-    if args.workload != "all" and args.workload not in NAMES:
-        raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
-    for flag in ("reps", "rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.device not in ("cuda", "cpu"):
-        raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu --quick for a smoke run)")
-    return args
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse(argv)
-    device = torch.device(args.device)
-    every = workloads(device, args.quick)
-    for name in NAMES if args.workload == "all" else [args.workload]:
-        print(report(every[name], device, args.reps, args.rounds), flush=True)
-    return 0
+    return print_reports(parse(argv), lambda wl, device, a: report(wl, device, a.reps, a.rounds))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ does the timing.
 
 from __future__ import annotations
 
+import argparse
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -101,3 +102,39 @@ def workloads(device: torch.device, quick: bool) -> dict[str, Workload]:
                         make_model=lambda: GPT(vocab, dim, depth, heads, max(T, 16)), make_batch=tokens,
                         loss_fn=lm_loss, ada_cls=AdaFisherW, lr=3e-4, weight_decay=0.1, autocast=torch.bfloat16),
     }
+
+
+def script_arguments(description: str, counts: dict[str, tuple[int, str]],
+                     argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The arguments of a script that measures the matrix's workloads one by one
+    (``scripts/statistics_bandwidth.py``, ``scripts/step_bandwidth.py``): ``--workload`` (a
+    name or all), ``--device`` (cuda, or cpu for a smoke run), ``--quick`` (the tiny
+    workloads), and the script's positive counts (``counts``: flag -> (default, help)),
+    checked, each error naming its flag."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="the tiny workloads")
+    for flag, (default, text) in counts.items():
+        ap.add_argument(f"--{flag}", type=int, default=default, help=f"{text} (default {default})")
+    args = ap.parse_args(argv)
+    if args.workload != "all" and args.workload not in NAMES:
+        raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
+    for flag in counts:
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.device not in ("cuda", "cpu"):
+        raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu --quick for a smoke run)")
+    return args
+
+
+def print_reports(args: argparse.Namespace, report: Callable[[Workload, torch.device, argparse.Namespace], str]) -> int:
+    """Print ``report(workload, device, args)`` for each workload :func:`script_arguments`'
+    ``--workload`` names, built for ``--device``, as each is done; the script's exit status."""
+    device = torch.device(args.device)
+    every = workloads(device, args.quick)
+    for name in NAMES if args.workload == "all" else [args.workload]:
+        print(report(every[name], device, args), flush=True)
+    return 0
