@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))
 from lightning_cafin.kernels import sources  # noqa: E402
 
 #: what differs between two compiles of the same code: instruction addresses (``/*0a30*/``),
-#: the source's path, and the per-file hash of an anonymous namespace's mangled name
+#: the source's path, and an anonymous namespace's mangled name (its length, its per-file hash)
 _NOISE = (re.compile(r"/\*[0-9a-f]{4,}\*/"), re.compile(r"^\s*identifier = .*$", re.M),
-          re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}"))
+          re.compile(r"\d*_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}"))
 _FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)
 
 

@@ -13,11 +13,16 @@ import pytest
 from .benchmarks.scripts import SCRIPTS
 from .benchmarks.scripts import load as load_script
 
+# in an anonymous namespace, as the package's kernels are: nvcc names it by a hash of the
+# file's path, which differs between the two sides' compiles and must not count
 KERNEL = """// a kernel
+namespace {
 __global__ void scale(float* x, float a, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] = %s;
 }
+}  // namespace
+void launch(float* x, int n) { scale<<<1, 32>>>(x, 2.f, n); }
 """
 
 
@@ -49,7 +54,7 @@ def test_a_change_the_compiler_erases_is_the_same_sass_and_a_real_one_names_its_
 
 
 def test_a_file_on_one_side_only_differs_and_a_bad_base_is_refused(repo, capsys):
-    (repo / "csrc" / "extra.cu").write_text(KERNEL.replace("scale", "shift") % "x[i] + a")
+    (repo / "csrc" / "extra.cu").write_text(KERNEL.replace("scale", "shift").replace("launch", "launch2") % "x[i] + a")
     assert load().main(["--repo", str(repo)]) == 1
     assert "extra.cu: only in the working tree" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--base: no csrc/ at 'nope'"):
