@@ -161,14 +161,15 @@ __device__ float block_sum(float v, float* smem /* >= 32 floats */) {
 
 // ---------------------------------------------------------------------------
 // Phase 1 of the conv input statistics: dst[split * M + i] = sum_{b in split} x[b, i]^2.
+// A block of kThreads threads takes V * kThreads consecutive i (block bx of the grid's
+// row) for one split of the batch; its own kernel below, or a launch it shares with a
+// gradient's read.
 // ---------------------------------------------------------------------------
-template <typename T, int V>
-__global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __restrict__ x, int64_t batch_stride,
-                                                                    int64_t B, int64_t M, int nsplit,
-                                                                    float* __restrict__ dst) {
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kCaptureBlock + threadIdx.x) * V;
+template <typename T, int V, int kThreads>
+__device__ __forceinline__ void batch_sumsq_block(const T* __restrict__ x, int64_t batch_stride, int64_t B, int64_t M,
+                                                  int nsplit, float* __restrict__ dst, int64_t bx, int split) {
+  const int64_t i = (bx * kThreads + threadIdx.x) * V;
   if (i >= M) return;
-  const int split = blockIdx.y;
   const Range rb = split_range(B, nsplit, split);
   const int64_t b0 = rb.lo, b1 = rb.hi;
   float acc[V];
@@ -197,6 +198,13 @@ __global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __r
   float* out = dst + static_cast<int64_t>(split) * M + i;
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = acc[j];
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kCaptureBlock) batch_sumsq_kernel(const T* __restrict__ x, int64_t batch_stride,
+                                                                    int64_t B, int64_t M, int nsplit,
+                                                                    float* __restrict__ dst) {
+  batch_sumsq_block<T, V, kCaptureBlock>(x, batch_stride, B, M, nsplit, dst, blockIdx.x, blockIdx.y);
 }
 
 // ---------------------------------------------------------------------------
@@ -966,6 +974,32 @@ WindowSumsShape window_sums_shape(const ConvInputArgs& a) {
   return {WindowSumsKind::kColumns, 0, K, static_cast<int64_t>(a.groups) * a.Ho * a.Wo, 2048};
 }
 
+namespace {
+
+// Phase 2 of the conv input statistics (after phase 1 on the same stream): every kernel
+// tap's window sum of the nsplit partial maps.
+cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, int col_chunks, const float* maps, float* ws_cols,
+                               unsigned* counters, float* out, cudaStream_t stream) {
+  const WindowSumsShape shape = window_sums_shape(a);
+  const dim3 grid(static_cast<unsigned>(shape.blocks_x), col_chunks);
+  if (shape.kind == WindowSumsKind::kColumns) {
+    window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (shape.kind == WindowSumsKind::kChannelWarps && a.kh == 1 && a.kw == 1) {
+    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (shape.kind == WindowSumsKind::kChannelWarps) {
+    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+  } else if (a.kh == 1 && a.kw == 1) {
+    window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+                                                                  counters, out);
+  } else {
+    window_sums_hwc_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+                                                                  counters, out);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
                                     float* maps, float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const int64_t M = a.C * a.H * a.W;
@@ -983,22 +1017,7 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  const WindowSumsShape shape = window_sums_shape(a);
-  const dim3 grid(static_cast<unsigned>(shape.blocks_x), col_chunks);
-  if (shape.kind == WindowSumsKind::kColumns) {
-    window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
-  } else if (shape.kind == WindowSumsKind::kChannelWarps && a.kh == 1 && a.kw == 1) {
-    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
-  } else if (shape.kind == WindowSumsKind::kChannelWarps) {
-    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
-  } else if (a.kh == 1 && a.kw == 1) {
-    window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
-                                                                  counters, out);
-  } else {
-    window_sums_hwc_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
-                                                                  counters, out);
-  }
-  return cudaGetLastError();
+  return launch_window_sums(a, nsplit, col_chunks, maps, ws_cols, counters, out, stream);
 }
 
 namespace {
