@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_cafin.kernels import sources  # noqa: E402
 
-#: what differs between two compiles of the same code: instruction addresses (``/*0a30*/``),
-#: the source's path, and an anonymous namespace's mangled name (its length, its per-file hash)
+#: what differs between two compiles of the same code: instruction addresses (``/*0a30*/``, and
+#: the spacing their width sets), the source's path, and an anonymous namespace's mangled name
+#: (its length, its per-file hash)
 _NOISE = (re.compile(r"/\*[0-9a-f]{4,}\*/"), re.compile(r"^\s*identifier = .*$", re.M),
           re.compile(r"\d*_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}"))
 _FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)
@@ -86,9 +87,15 @@ def sass(cu: Path, nvcc: str, cuobjdump: str, arch: str, out: Path) -> dict[str,
     built = subprocess.run(cmd, capture_output=True, text=True)
     if built.returncode != 0:
         raise RuntimeError(f"nvcc failed on {cu}:\n{built.stderr[-3000:]}")
-    dumped = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+    return kernels(subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout)
+
+
+def kernels(dumped: str) -> dict[str, str]:
+    """``cuobjdump -sass`` output as each kernel's SASS by mangled name, noise removed."""
     for pattern in _NOISE:
         dumped = pattern.sub("", dumped)
+    # (the columns' widths follow the longest address in the file: compare words, not spacing)
+    dumped = "\n".join(" ".join(line.split()) for line in dumped.splitlines())
     starts = [(m.start(), m.group(1)) for m in _FUNCTION.finditer(dumped)]
     return {name: dumped[at: starts[i + 1][0] if i + 1 < len(starts) else len(dumped)]
             for i, (at, name) in enumerate(starts)}
@@ -120,7 +127,8 @@ def compare(repo: Path, base: str, arch: str, cuda_home: Path) -> tuple[list[str
                                                              f"{len(changed)} differ"))
             for k in changed:
                 if k in old and k in new:
-                    delta = sum(1 for d in difflib.ndiff(old[k].splitlines(), new[k].splitlines()) if d[:1] in "+-")
+                    delta = sum(1 for d in difflib.unified_diff(old[k].splitlines(), new[k].splitlines(), n=0, lineterm="")
+                                if d[:1] in "+-" and not d.startswith(("+++", "---")))
                     lines.append(f"  differs ({delta} lines): {k}")
                 else:
                     lines.append(f"  only {'in the working tree' if k in new else 'at ' + base}: {k}")

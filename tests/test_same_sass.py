@@ -61,6 +61,17 @@ def test_a_file_on_one_side_only_differs_and_a_bad_base_is_refused(repo, capsys)
         load().main(["--repo", str(repo), "--base", "nope"])
 
 
+def test_addresses_and_the_spacing_their_width_sets_are_not_compared():
+    """cuobjdump pads its columns to the file's longest address: a kernel added to a file
+    moves every other kernel's instructions sideways, which is no change of theirs."""
+    narrow = ("        Function : _ZN1a5scaleEv\n        /*0000*/  LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+              "        /*0010*/  EXIT ;   /* 0x000000000000794d */\n")
+    wide = ("        Function : _ZN1a5scaleEv\n        /*00000*/     LDC R1, c[0x0][0x28] ;      /* 0x00000a00ff017b82 */\n"
+            "        /*00010*/     EXIT ;      /* 0x000000000000794d */\n")
+    assert load().kernels(narrow) == load().kernels(wide) and list(load().kernels(wide)) == ["_ZN1a5scaleEv"]
+    assert load().kernels(narrow) != load().kernels(wide.replace("EXIT", "BRA"))
+
+
 def test_bad_arch_is_refused_naming_the_flag():
     with pytest.raises(SystemExit, match="--arch: expected digits"):
         load().main(["--arch", "sm90"])
