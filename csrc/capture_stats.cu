@@ -459,14 +459,12 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const fl
 // A channel's whole sum, times post_mul when asked (torch's division by a scalar).
 __device__ __forceinline__ float finish(const ChannelArgs& a, float sum) { return a.apply_post ? sum * a.post_mul : sum; }
 
+// Channel o's sum over split `split` of the rows (and, in the block that finishes the
+// channel last, its whole sum): its own kernel below, or a launch it shares.
 template <typename T, int V>
-__global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelArgs a, const T* __restrict__ t,
-                                                                       int nsplit, float* __restrict__ partials,
-                                                                       unsigned* __restrict__ counters,
-                                                                       float* __restrict__ dst) {
-  __shared__ float smem[32];
-  const int64_t o = blockIdx.x;
-  const int split = blockIdx.y;
+__device__ __forceinline__ void channel_middle_block(const ChannelArgs& a, const T* __restrict__ t, int nsplit,
+                                                    float* __restrict__ partials, unsigned* __restrict__ counters,
+                                                    float* __restrict__ dst, int64_t o, int split, float* smem) {
   const Range ra = split_range(a.A, nsplit, split);
   const int64_t a0 = ra.lo, a1 = ra.hi;
   const int64_t PV = a.P / V;
@@ -518,6 +516,15 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
   }
   if (threadIdx.x == 0) partials[static_cast<int64_t>(split) * a.O + o] = acc;
   if (finished_last(counters + o, nsplit) && threadIdx.x == 0) dst[o] = finish(a, sum_partials(partials + o, nsplit, a.O));
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelArgs a, const T* __restrict__ t,
+                                                                       int nsplit, float* __restrict__ partials,
+                                                                       unsigned* __restrict__ counters,
+                                                                       float* __restrict__ dst) {
+  __shared__ float smem[32];
+  channel_middle_block<T, V>(a, t, nsplit, partials, counters, dst, blockIdx.x, blockIdx.y, smem);
 }
 
 // ---------------------------------------------------------------------------
