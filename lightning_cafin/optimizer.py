@@ -196,7 +196,8 @@ class _AdaFisherBase(Attachment, Readout, Optimizer):
         scale = None if grad_scale is None else float(grad_scale.item())
         captures = list(self.binding.captures.values())
         with self._observers.around_capture(self):
-            self.capture_options.apply(self._chosen_side())
+            # (the stream the hooks were given: a trial is started only by a hooked forward)
+            self.capture_options.apply(self.stream_chooser.current() if self.capture_options.chooses_stream else False)
             capture_streams.join()  # the statistics were computed beside the backward pass
             self.statistics_reduction.all_reduce(captures, self.statistics_group)
             report = update_factors(captures, self.defaults["gamma"], scale, self.binding.launch_keeper)

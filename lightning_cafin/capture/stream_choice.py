@@ -74,6 +74,15 @@ class StreamChooser:
         self._open = (side, start)
         return side
 
+    def current(self) -> bool:
+        """The stream of the capture step under way without starting a trial: the choice once
+        made, else the open trial's, else the current stream.  The factor update asks this: a
+        capture step whose hooked forwards never asked computed no statistics on any stream,
+        and a trial opened at its factor update would time that update alone."""
+        if self.choice is not None:
+            return self.choice
+        return self._open[0] if self._open is not None else False
+
     def capture_step_done(self) -> None:
         """The capture step's optimizer step has been launched: its timing ends."""
         self._warm = True

@@ -87,6 +87,27 @@ def test_a_skipped_capture_step_is_not_counted():
     assert c.times[False] == [10.0, 10.0] and c.choice is True
 
 
+def test_a_capture_step_no_hooked_forward_asked_about_starts_no_trial():
+    """The factor update asks ``current()``: where no hooked forward opened a trial (every
+    forward declined), it gives the current stream and opens none, and the step's end
+    records nothing; a trial's stream, and then the choice, are what it gives otherwise."""
+    clock = Clock()
+    c = chooser(clock)
+    capture_step(c, clock, 5.0, 10.0)  # untimed
+    for _ in range(3):
+        assert c.current() is False
+        clock.now += 50.0
+        c.capture_step_done()
+    assert clock.made == 0 and c.times == {True: [], False: []}
+    capture_step(c, clock, 5.0, 10.0)  # the first trial: the current stream
+    assert c.side(True) is True and c.current() is True  # the second: the side stream, open
+    clock.now += 5.0
+    c.capture_step_done()
+    for _ in range(2):
+        capture_step(c, clock, 5.0, 10.0)
+    assert c.choice is True and c.current() is True
+
+
 def test_off_the_gpu_or_in_a_graph_capture_nothing_is_timed():
     clock = Clock()
     c = chooser(clock)
