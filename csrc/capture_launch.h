@@ -132,6 +132,26 @@ struct RowsPair {
   int first_blocks;
 };
 
+// Phase 1 of a convolution's input statistics (batch_sumsq_block) as the first part of a
+// launch it shares with its output gradient's rows read: `blocks_x` blocks of kRowsBlock
+// threads along the M = C*H*W positions (16 bytes a thread), for each of `nsplit` batch
+// splits, into the nsplit partial maps.
+struct SumsqItem {
+  const void* x;
+  int64_t batch_stride, B, M;
+  int nsplit;
+  int blocks_x;
+  float* maps;
+};
+
+// A launch of phase 1 and a rows read: blocks [0, sumsq_blocks) are phase 1's, the rest
+// the rows item's.
+struct SumsqAndRows {
+  SumsqItem sumsq;
+  int sumsq_blocks;
+  RowsItem rows;
+};
+
 // One channel-statistics reduction as its op planned it: the kernel (rows or middle), its
 // split, workspace (nsplit > 1) and counter slots, and where the sums go.
 struct ChannelLaunch {
@@ -150,6 +170,16 @@ cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream);
 // kernel where both are read by it in the same dtype and read mode, else one launch each.
 // Either way the results are launch_channel_stats'.
 cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunch& y, cudaStream_t stream);
+
+// A convolution's input statistics (launch_conv_input_stats' arguments) and its output
+// gradient's reduction `g` with phase 1 and the gradient's read in one launch, then phase
+// 2: a launch fewer per layer than the two ops apart, the same sums.  Only where
+// conv_pairs_with_rows says one kernel reads both (the rows kernel's 16-byte read of the
+// gradient, phase 1's 16-byte read of an input of the same dtype, one grid).
+bool conv_pairs_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g);
+cudaError_t launch_conv_input_stats_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
+                                              float* maps, float* ws_cols, unsigned* counters, float* out,
+                                              const ChannelLaunch& g, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // A norm's statistics from what its backward already has (capture_tap.h's NormTap), one

@@ -752,6 +752,23 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(const __grid_const
   }
 }
 
+// Phase 1 of a convolution's input statistics and its output gradient's rows read, in
+// one launch (SumsqAndRows): a launch fewer per convolution in a capture step's backward,
+// whose host pays per launch.  Phase 1's blocks come first, kRowsBlock threads each.
+template <typename T>
+__global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid_constant__ SumsqAndRows job) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  __shared__ float smem[kRowsBlock * V];
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < job.sumsq_blocks) {
+    const SumsqItem& s = job.sumsq;
+    batch_sumsq_block<T, V, kRowsBlock>(static_cast<const T*>(s.x), s.batch_stride, s.B, s.M, s.nsplit, s.maps,
+                                        b % s.blocks_x, b / s.blocks_x);
+  } else {
+    channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(job.rows, b - job.sumsq_blocks, smem);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The factor update: one block per layer, kFactorMaxLayers layers per launch.
 // ---------------------------------------------------------------------------
@@ -1105,6 +1122,51 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
   const cudaError_t err = launch_channel_stats(x, stream);
   if (err != cudaSuccess) return err;
   return launch_channel_stats(y, stream);
+}
+
+namespace {
+
+// Phase 1's blocks of kRowsBlock threads along M, 16 bytes a thread.
+int64_t sumsq_blocks_x(int64_t M, int element_size) {
+  const int64_t vectors = M / (16 / element_size);
+  return (vectors + kRowsBlock - 1) / kRowsBlock;
+}
+
+}  // namespace
+
+bool conv_pairs_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
+  if (!g.rows_kernel || g.dtype != dtype) return false;
+  const int size = static_cast<int>(c10::elementSize(dtype));
+  const int64_t M = a.C * a.H * a.W, V = 16 / size;
+  if (M == 0 || a.B == 0 || M % V != 0 || a.batch_stride % V != 0 || !is_aligned16(a.x)) return false;
+  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
+  return sg.read == RowsRead::kVector && fits_launch(sumsq_blocks_x(M, size) * nsplit + sg.tiles * g.nsplit);
+}
+
+cudaError_t launch_conv_input_stats_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
+                                              float* maps, float* ws_cols, unsigned* counters, float* out,
+                                              const ChannelLaunch& g, cudaStream_t stream) {
+  if (!conv_pairs_with_rows(a, dtype, nsplit, g)) return cudaErrorInvalidValue;
+  const int size = static_cast<int>(c10::elementSize(dtype));
+  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
+  SumsqAndRows job{};
+  job.sumsq.x = a.x;
+  job.sumsq.batch_stride = a.batch_stride;
+  job.sumsq.B = a.B;
+  job.sumsq.M = a.C * a.H * a.W;
+  job.sumsq.nsplit = nsplit;
+  job.sumsq.blocks_x = static_cast<int>(sumsq_blocks_x(job.sumsq.M, size));
+  job.sumsq.maps = maps;
+  job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
+  job.rows = rows_item(g, sg);
+  const int64_t blocks = static_cast<int64_t>(job.sumsq_blocks) + sg.tiles * g.nsplit;
+  const cudaError_t err = dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    sumsq_and_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    return cudaGetLastError();
+  });
+  if (err != cudaSuccess) return err;
+  return launch_window_sums(a, nsplit, col_chunks, maps, ws_cols, counters, out, stream);
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,
