@@ -152,6 +152,18 @@ struct SumsqAndRows {
   RowsItem rows;
 };
 
+// A launch of phase 1 and a channel_middle read (blocks of kCaptureBlock threads): blocks
+// [0, sumsq_blocks) are phase 1's, the rest the gradient's, channel by channel per split.
+struct SumsqAndMiddle {
+  SumsqItem sumsq;
+  int sumsq_blocks;
+  ChannelArgs middle;
+  int nsplit;
+  float* partials;
+  unsigned* counters;
+  float* dst;
+};
+
 // One channel-statistics reduction as its op planned it: the kernel (rows or middle), its
 // split, workspace (nsplit > 1) and counter slots, and where the sums go.
 struct ChannelLaunch {
@@ -174,12 +186,13 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
 // A convolution's input statistics (launch_conv_input_stats' arguments) and its output
 // gradient's reduction `g` with phase 1 and the gradient's read in one launch, then phase
 // 2: a launch fewer per layer than the two ops apart, the same sums.  Only where
-// conv_pairs_with_rows says one kernel reads both (the rows kernel's 16-byte read of the
-// gradient, phase 1's 16-byte read of an input of the same dtype, one grid).
-bool conv_pairs_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g);
-cudaError_t launch_conv_input_stats_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
-                                              float* maps, float* ws_cols, unsigned* counters, float* out,
-                                              const ChannelLaunch& g, cudaStream_t stream);
+// conv_pairs_with_gradient says one kernel reads both: phase 1's 16-byte read of an input
+// of the gradient's dtype, and the rows kernel's 16-byte read of the gradient (channels
+// innermost) or channel_middle's vector read (channels in the middle).
+bool conv_pairs_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g);
+cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
+                                                  int col_chunks, float* maps, float* ws_cols, unsigned* counters,
+                                                  float* out, const ChannelLaunch& g, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // A norm's statistics from what its backward already has (capture_tap.h's NormTap), one

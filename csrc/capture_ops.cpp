@@ -453,14 +453,15 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
       return {h, s};
     }
   }
-  // A convolution: its input's phase 1 and its gradient's rows read in one launch where one
+  // A convolution: its input's phase 1 and its gradient's read in one launch where one
   // kernel reads both (then phase 2), a launch fewer.  The gradient's counter slots are used
   // before phase 2's, one launch after the other, so they may be the same.
   if (conv && !h_zeros && !pg.zeros) {
     const ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
-    if (conv_pairs_with_rows(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
-      check_launch(launch_conv_input_stats_with_rows(pc.a, pc.x.scalar_type(), pc.nsplit, pc.col_chunks, w,
-                                                     pc.n_cols ? w + pc.n_maps : nullptr, pc.counters, o, lg, stream),
+    if (conv_pairs_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
+      check_launch(launch_conv_input_stats_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, pc.col_chunks, w,
+                                                         pc.n_cols ? w + pc.n_maps : nullptr, pc.counters, o, lg,
+                                                         stream),
                    kLayer);
       return {h, s};
     }

@@ -769,6 +769,24 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
   }
 }
 
+// The same with the gradient read channel by channel (channels in the middle: NCHW), in
+// blocks of kCaptureBlock threads; channel o's split k is block sumsq_blocks + k * O + o.
+template <typename T>
+__global__ void __launch_bounds__(kCaptureBlock) sumsq_and_middle_kernel(const __grid_constant__ SumsqAndMiddle job) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  __shared__ float smem[32];
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < job.sumsq_blocks) {
+    const SumsqItem& s = job.sumsq;
+    batch_sumsq_block<T, V, kCaptureBlock>(static_cast<const T*>(s.x), s.batch_stride, s.B, s.M, s.nsplit, s.maps,
+                                           b % s.blocks_x, b / s.blocks_x);
+  } else {
+    const int k = b - job.sumsq_blocks, O = static_cast<int>(job.middle.O);  // (k < the grid's blocks: an int)
+    channel_middle_block<T, V>(job.middle, static_cast<const T*>(job.middle.t), job.nsplit, job.partials,
+                               job.counters, job.dst, k % O, k / O, smem);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The factor update: one block per layer, kFactorMaxLayers layers per launch.
 // ---------------------------------------------------------------------------
@@ -1126,43 +1144,82 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
 
 namespace {
 
-// Phase 1's blocks of kRowsBlock threads along M, 16 bytes a thread.
-int64_t sumsq_blocks_x(int64_t M, int element_size) {
+// Phase 1's blocks of `threads` threads along M, 16 bytes a thread.
+int64_t sumsq_blocks_x(int64_t M, int element_size, int threads) {
   const int64_t vectors = M / (16 / element_size);
-  return (vectors + kRowsBlock - 1) / kRowsBlock;
+  return (vectors + threads - 1) / threads;
+}
+
+// Phase 1's part of a shared launch whose blocks have `threads` threads.
+SumsqItem sumsq_item(const ConvInputArgs& a, int nsplit, float* maps, int element_size, int threads) {
+  SumsqItem it{};
+  it.x = a.x;
+  it.batch_stride = a.batch_stride;
+  it.B = a.B;
+  it.M = a.C * a.H * a.W;
+  it.nsplit = nsplit;
+  it.blocks_x = static_cast<int>(sumsq_blocks_x(it.M, element_size, threads));
+  it.maps = maps;
+  return it;
+}
+
+// Whether channel_middle_kernel reads `g` 16 bytes a thread (as launch_channel_stats decides).
+bool middle_reads_vectors(const ChannelLaunch& g, int element_size) {
+  const int64_t V = 16 / element_size;
+  return g.a.P % V == 0 && g.a.sa % V == 0 && g.a.so % V == 0 && is_aligned16(g.a.t);
+}
+
+// The blocks of the shared launch, or 0 where one kernel does not read both: phase 1 reads
+// 16 bytes a thread (an input of the gradient's dtype, rows of whole vectors), and the
+// gradient's read is the rows kernel's 16-byte read or channel_middle's vector read.
+int64_t paired_blocks(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
+  if (g.dtype != dtype) return 0;
+  const int size = static_cast<int>(c10::elementSize(dtype));
+  const int64_t M = a.C * a.H * a.W, V = 16 / size;
+  if (M == 0 || a.B == 0 || M % V != 0 || a.batch_stride % V != 0 || !is_aligned16(a.x)) return 0;
+  int64_t blocks = 0;
+  if (g.rows_kernel) {
+    const ChannelRowsShape sg = channel_rows_shape(g.a, size);
+    if (sg.read != RowsRead::kVector) return 0;
+    blocks = sumsq_blocks_x(M, size, kRowsBlock) * nsplit + sg.tiles * g.nsplit;
+  } else {
+    if (!middle_reads_vectors(g, size)) return 0;
+    blocks = sumsq_blocks_x(M, size, kCaptureBlock) * nsplit + g.a.O * g.nsplit;
+  }
+  return fits_launch(blocks) ? blocks : 0;
 }
 
 }  // namespace
 
-bool conv_pairs_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
-  if (!g.rows_kernel || g.dtype != dtype) return false;
-  const int size = static_cast<int>(c10::elementSize(dtype));
-  const int64_t M = a.C * a.H * a.W, V = 16 / size;
-  if (M == 0 || a.B == 0 || M % V != 0 || a.batch_stride % V != 0 || !is_aligned16(a.x)) return false;
-  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
-  return sg.read == RowsRead::kVector && fits_launch(sumsq_blocks_x(M, size) * nsplit + sg.tiles * g.nsplit);
+bool conv_pairs_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
+  return paired_blocks(a, dtype, nsplit, g) > 0;
 }
 
-cudaError_t launch_conv_input_stats_with_rows(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
-                                              float* maps, float* ws_cols, unsigned* counters, float* out,
-                                              const ChannelLaunch& g, cudaStream_t stream) {
-  if (!conv_pairs_with_rows(a, dtype, nsplit, g)) return cudaErrorInvalidValue;
+cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
+                                                  int col_chunks, float* maps, float* ws_cols, unsigned* counters,
+                                                  float* out, const ChannelLaunch& g, cudaStream_t stream) {
+  const int64_t blocks = paired_blocks(a, dtype, nsplit, g);
+  if (blocks == 0) return cudaErrorInvalidValue;
   const int size = static_cast<int>(c10::elementSize(dtype));
-  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
-  SumsqAndRows job{};
-  job.sumsq.x = a.x;
-  job.sumsq.batch_stride = a.batch_stride;
-  job.sumsq.B = a.B;
-  job.sumsq.M = a.C * a.H * a.W;
-  job.sumsq.nsplit = nsplit;
-  job.sumsq.blocks_x = static_cast<int>(sumsq_blocks_x(job.sumsq.M, size));
-  job.sumsq.maps = maps;
-  job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
-  job.rows = rows_item(g, sg);
-  const int64_t blocks = static_cast<int64_t>(job.sumsq_blocks) + sg.tiles * g.nsplit;
   const cudaError_t err = dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
-    sumsq_and_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    if (g.rows_kernel) {
+      SumsqAndRows job{};
+      job.sumsq = sumsq_item(a, nsplit, maps, size, kRowsBlock);
+      job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
+      job.rows = rows_item(g, channel_rows_shape(g.a, size));
+      sumsq_and_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    } else {
+      SumsqAndMiddle job{};
+      job.sumsq = sumsq_item(a, nsplit, maps, size, kCaptureBlock);
+      job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
+      job.middle = g.a;
+      job.nsplit = g.nsplit;
+      job.partials = g.ws;
+      job.counters = g.counters;
+      job.dst = g.out;
+      sumsq_and_middle_kernel<T><<<static_cast<unsigned>(blocks), kCaptureBlock, 0, stream>>>(job);
+    }
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;

@@ -521,6 +521,7 @@ FUSED_LAYERS = {
     "conv3x3_channels_last": (lambda: nn.Conv2d(16, 8, 3, padding=1), (4, 16, 12, 10), "channels_last"),
     # big enough that both reads of the one launch split the batch (counters, partials, maps)
     "conv3x3_channels_last_wide": (lambda: nn.Conv2d(64, 32, 3, padding=1), (48, 64, 14, 14), "channels_last"),
+    "conv3x3_wide": (lambda: nn.Conv2d(32, 32, 3, padding=1), (32, 32, 16, 16), "contiguous"),
     "conv_strided_dilated_grouped": (lambda: nn.Conv2d(12, 8, 3, stride=2, padding=2, dilation=2, groups=4),
                                      (3, 12, 11, 9), "contiguous"),
     "conv1d": (lambda: nn.Conv1d(6, 4, 3, stride=2, padding=1), (3, 6, 17), "contiguous"),
@@ -587,12 +588,13 @@ def test_layer_stats_results_are_vectors_of_their_own(ext, impl, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["conv3x3_channels_last", "conv3x3_channels_last_wide"])
-def test_a_channels_last_convolution_takes_two_launches(ext, name, dtype):
-    """Its input's phase 1 and its gradient's per-channel rows are read in one launch
-    (``sumsq_and_rows_kernel``), then phase 2 (the window sums): two kernels where the
-    input's two phases and the gradient's read took three (a launch is host time in a
-    capture step's backward); the sums are ``test_layer_stats_equals_the_two_partials``'."""
+@pytest.mark.parametrize("name", ["conv3x3_channels_last", "conv3x3_channels_last_wide", "conv3x3_wide"])
+def test_a_convolution_takes_two_launches(ext, name, dtype):
+    """Its input's phase 1 and its gradient's per-channel read share one launch
+    (``sumsq_and_rows_kernel`` for channels_last, ``sumsq_and_middle_kernel`` for NCHW),
+    then phase 2 (the window sums): two kernels where the input's two phases and the
+    gradient's read took three (a launch is host time in a capture step's backward); the
+    sums are ``test_layer_stats_equals_the_two_partials``'."""
     from torch.profiler import ProfilerActivity, profile
 
     make, shape, layout = FUSED_LAYERS[name]
@@ -606,7 +608,8 @@ def test_a_channels_last_convolution_takes_two_launches(ext, name, dtype):
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "lightning_cafin" in e.name]
     assert len(kernels) == 2, kernels
-    assert "sumsq_and_rows_kernel" in kernels[0] and "window_sums" in kernels[1], kernels
+    paired = "sumsq_and_rows_kernel" if layout == "channels_last" else "sumsq_and_middle_kernel"
+    assert paired in kernels[0] and "window_sums" in kernels[1], kernels
 
 
 def test_layer_stats_dispatches_no_op_of_its_own(ext):
