@@ -752,6 +752,15 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(const __grid_const
   }
 }
 
+// Block b of phase 1's part of a shared launch (blocks of kThreads threads, 16 bytes a
+// thread): position block b % blocks_x of split b / blocks_x.
+template <typename T, int kThreads>
+__device__ __forceinline__ void sumsq_item_block(const SumsqItem& s, int b) {
+  batch_sumsq_block<T, 16 / static_cast<int>(sizeof(T)), kThreads>(static_cast<const T*>(s.x), s.batch_stride, s.B,
+                                                                   s.M, s.nsplit, s.maps, b % s.blocks_x,
+                                                                   b / s.blocks_x);
+}
+
 // Phase 1 of a convolution's input statistics and its output gradient's rows read, in
 // one launch (SumsqAndRows): a launch fewer per convolution in a capture step's backward,
 // whose host pays per launch.  Phase 1's blocks come first, kRowsBlock threads each.
@@ -761,9 +770,7 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
   __shared__ float smem[kRowsBlock * V];
   const int b = static_cast<int>(blockIdx.x);
   if (b < job.sumsq_blocks) {
-    const SumsqItem& s = job.sumsq;
-    batch_sumsq_block<T, V, kRowsBlock>(static_cast<const T*>(s.x), s.batch_stride, s.B, s.M, s.nsplit, s.maps,
-                                        b % s.blocks_x, b / s.blocks_x);
+    sumsq_item_block<T, kRowsBlock>(job.sumsq, b);
   } else {
     channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(job.rows, b - job.sumsq_blocks, smem);
   }
@@ -773,13 +780,11 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
 // blocks of kCaptureBlock threads; channel o's split k is block sumsq_blocks + k * O + o.
 template <typename T>
 __global__ void __launch_bounds__(kCaptureBlock) sumsq_and_middle_kernel(const __grid_constant__ SumsqAndMiddle job) {
-  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  constexpr int V = 16 / static_cast<int>(sizeof(T));  // (the gradient's vector read)
   __shared__ float smem[32];
   const int b = static_cast<int>(blockIdx.x);
   if (b < job.sumsq_blocks) {
-    const SumsqItem& s = job.sumsq;
-    batch_sumsq_block<T, V, kCaptureBlock>(static_cast<const T*>(s.x), s.batch_stride, s.B, s.M, s.nsplit, s.maps,
-                                           b % s.blocks_x, b / s.blocks_x);
+    sumsq_item_block<T, kCaptureBlock>(job.sumsq, b);
   } else {
     const int k = b - job.sumsq_blocks, O = static_cast<int>(job.middle.O);  // (k < the grid's blocks: an int)
     channel_middle_block<T, V>(job.middle, static_cast<const T*>(job.middle.t), job.nsplit, job.partials,
