@@ -702,6 +702,32 @@ def test_layer_stats_captured_into_a_cuda_graph(ext, impl):
         g.copy_(torch.randn_like(g))
 
 
+@pytest.mark.parametrize("name", ["conv3x3_channels_last_wide", "conv3x3_wide"])
+def test_a_convolutions_shared_launch_replays_in_a_cuda_graph(ext, impl, name):
+    """A convolution's statistics (phase 1 with the gradient's read in one launch, then phase
+    2) captured into a CUDA graph: every replay sums the tensors as they are then (the
+    float64 rules, twice, with new values), the counter slots reset by each launch's last
+    blocks between replays."""
+    make, shape, layout = FUSED_LAYERS[name]
+    module, x, grad = layer_and_tensors(make, shape, torch.bfloat16, torch.bfloat16, layout)
+    fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # (the stream's counter pool made before the capture)
+        fused.run(ext, x, grad, False)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        h, s = fused.run(ext, x, grad, False)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        close(h, torch_rule(impl, module, x, "in")[0], STAT_RTOL)
+        close(s, torch_rule(impl, module, grad, "out")[0], STAT_RTOL)
+        x.copy_(torch.randn_like(x))
+        grad.copy_(torch.randn_like(grad))
+
+
 def test_layer_stats_on_an_empty_batch_gives_zeros(ext):
     op = (1, 3, 3, 1, 1, 1, 1, 1, 1, 1, 5, 5)
     h, s = ext.layer_stats(randn((0, 4, 5, 5)), randn((0, 6, 5, 5)), op, 0.0, 1, True, 0.0)
