@@ -65,6 +65,38 @@ __device__ __forceinline__ void store_partial(T* __restrict__ dst, const float (
   }
 }
 
+// N elements of T as stored (not widened to fp32): a pack loaded ahead of its use holds
+// 16 bytes in 4 registers whatever T, where N floats would take N.
+template <int N, typename T>
+struct RawPack {
+  T v[N];
+};
+
+// N consecutive elements at src as stored: 16-byte loads where `full` (src 16-byte aligned
+// and N valid), else the `valid` first ones element by element and zeros after them.
+template <int N, typename T>
+__device__ __forceinline__ void load_raw(RawPack<N, T>& dst, const T* __restrict__ src, bool full, int valid) {
+  constexpr int kPer = 16 / sizeof(T);
+  static_assert(N % kPer == 0, "vector width must be a whole number of 16-byte packs");
+  if (full) {
+#pragma unroll
+    for (int q = 0; q < N / kPer; ++q) {
+      const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(src)[q];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) dst.v[q * kPer + j] = pk.v[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst.v[j] = (j < valid) ? src[j] : from_float<T>(0.f);
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void widen(float (&dst)[N], const RawPack<N, T>& src) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = to_float(src.v[j]);
+}
+
 __host__ __device__ __forceinline__ bool is_aligned16(const void* ptr) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0;
 }
