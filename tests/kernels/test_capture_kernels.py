@@ -690,16 +690,22 @@ def test_layer_stats_captured_into_a_cuda_graph(ext, impl):
     with torch.cuda.stream(stream):  # the stream's pool, made at its smallest (4096 slots)
         ext.channel_stats(randn((8192, 64)), -1, True, 0.0, False)
     stream.synchronize()
+    replays_equal_the_rules(ext, impl, fused, lin, x, g, stream)
+
+
+def replays_equal_the_rules(ext, impl, fused, module, x, grad, stream) -> None:
+    """``fused.run`` captured into a CUDA graph on ``stream``: two replays, each on new
+    values written into ``x`` and ``grad``, equal the float64 rules."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        h, s = fused.run(ext, x, g, False)
+        h, s = fused.run(ext, x, grad, False)
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
-        close(h, torch_rule(impl, lin, x, "in")[0], STAT_RTOL)
-        close(s, torch_rule(impl, lin, g, "out")[0], STAT_RTOL)
+        close(h, torch_rule(impl, module, x, "in")[0], STAT_RTOL)
+        close(s, torch_rule(impl, module, grad, "out")[0], STAT_RTOL)
         x.copy_(torch.randn_like(x))
-        g.copy_(torch.randn_like(g))
+        grad.copy_(torch.randn_like(grad))
 
 
 @pytest.mark.parametrize("name", ["conv3x3_channels_last_wide", "conv3x3_wide"])
@@ -716,16 +722,7 @@ def test_a_convolutions_shared_launch_replays_in_a_cuda_graph(ext, impl, name):
     with torch.cuda.stream(stream):  # (the stream's counter pool made before the capture)
         fused.run(ext, x, grad, False)
     stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        h, s = fused.run(ext, x, grad, False)
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        close(h, torch_rule(impl, module, x, "in")[0], STAT_RTOL)
-        close(s, torch_rule(impl, module, grad, "out")[0], STAT_RTOL)
-        x.copy_(torch.randn_like(x))
-        grad.copy_(torch.randn_like(grad))
+    replays_equal_the_rules(ext, impl, fused, module, x, grad, stream)
 
 
 def test_layer_stats_on_an_empty_batch_gives_zeros(ext):
