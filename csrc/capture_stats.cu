@@ -1023,6 +1023,18 @@ WindowSumsShape window_sums_shape(const ConvInputArgs& a) {
 
 namespace {
 
+// Whether phase 1 reads the input 16 bytes a thread (V elements): rows of whole vectors,
+// 16-byte aligned.  Its own launch and a shared one decide alike.
+bool sumsq_reads_vectors(const ConvInputArgs& a, int64_t M, int64_t V) {
+  return M % V == 0 && a.batch_stride % V == 0 && is_aligned16(a.x);
+}
+
+// Whether channel_middle_kernel reads `a.t` 16 bytes a thread (V elements).  Its own launch
+// and a shared one decide alike.
+bool middle_reads_vectors(const ChannelArgs& a, int64_t V) {
+  return a.P % V == 0 && a.sa % V == 0 && a.so % V == 0 && is_aligned16(a.t);
+}
+
 // Phase 2 of the conv input statistics (after phase 1 on the same stream): every kernel
 // tap's window sum of the nsplit partial maps.
 cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, int col_chunks, const float* maps, float* ws_cols,
@@ -1054,7 +1066,7 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kV = 16 / sizeof(T);
     const T* x = static_cast<const T*>(a.x);
-    const bool vec = M % kV == 0 && a.batch_stride % kV == 0 && is_aligned16(x);
+    const bool vec = sumsq_reads_vectors(a, M, kV);
     const dim3 grid(blocks_for(vec ? M / kV : M), nsplit);
     if (vec) {
       batch_sumsq_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(x, a.batch_stride, a.B, M, nsplit, maps);
@@ -1117,7 +1129,7 @@ cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream) {
       pair.first_blocks = static_cast<int>(shape.tiles * l.nsplit);
       return launch_rows<T>(pair, shape.read, stream);
     }
-    const bool vec = a.P % kV == 0 && a.sa % kV == 0 && a.so % kV == 0 && is_aligned16(t);
+    const bool vec = middle_reads_vectors(a, kV);
     const dim3 grid(static_cast<unsigned>(a.O), l.nsplit);
     if (vec) {
       channel_middle_kernel<T, kV><<<grid, kCaptureBlock, 0, stream>>>(a, t, l.nsplit, l.ws, l.counters, l.out);
@@ -1168,12 +1180,6 @@ SumsqItem sumsq_item(const ConvInputArgs& a, int nsplit, float* maps, int elemen
   return it;
 }
 
-// Whether channel_middle_kernel reads `g` 16 bytes a thread (as launch_channel_stats decides).
-bool middle_reads_vectors(const ChannelLaunch& g, int element_size) {
-  const int64_t V = 16 / element_size;
-  return g.a.P % V == 0 && g.a.sa % V == 0 && g.a.so % V == 0 && is_aligned16(g.a.t);
-}
-
 // The blocks of the shared launch, or 0 where one kernel does not read both: phase 1 reads
 // 16 bytes a thread (an input of the gradient's dtype, rows of whole vectors), and the
 // gradient's read is the rows kernel's 16-byte read or channel_middle's vector read.
@@ -1181,14 +1187,14 @@ int64_t paired_blocks(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, 
   if (g.dtype != dtype) return 0;
   const int size = static_cast<int>(c10::elementSize(dtype));
   const int64_t M = a.C * a.H * a.W, V = 16 / size;
-  if (M == 0 || a.B == 0 || M % V != 0 || a.batch_stride % V != 0 || !is_aligned16(a.x)) return 0;
+  if (M == 0 || a.B == 0 || !sumsq_reads_vectors(a, M, V)) return 0;
   int64_t blocks = 0;
   if (g.rows_kernel) {
     const ChannelRowsShape sg = channel_rows_shape(g.a, size);
     if (sg.read != RowsRead::kVector) return 0;
     blocks = sumsq_blocks_x(M, size, kRowsBlock) * nsplit + sg.tiles * g.nsplit;
   } else {
-    if (!middle_reads_vectors(g, size)) return 0;
+    if (!middle_reads_vectors(g.a, V)) return 0;
     blocks = sumsq_blocks_x(M, size, kCaptureBlock) * nsplit + g.a.O * g.nsplit;
   }
   return fits_launch(blocks) ? blocks : 0;
