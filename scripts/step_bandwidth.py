@@ -28,11 +28,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_cafin.bench.matrix import NEVER  # (the schedule here: only the first step captures)
 from lightning_cafin.bench.timing import device_us_per_call
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
-
-#: AdaFisher's schedule here: only the first step captures (the factors the normal steps use)
-NEVER = 10**9
 
 
 def moved_bytes(params: list[Tensor], state_tensors: list[Tensor]) -> int:
