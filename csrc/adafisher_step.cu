@@ -9,6 +9,8 @@
 //
 // Per element e of a parameter viewed as a (len(S), ncols) row-major matrix:
 //   F  = S[e / ncols] * H[col_offset + e % ncols] + Lambda     (F = 1 without factors)
+// (a parameter stored channels innermost, inner = C > 1, reads H at the logical column of
+// its memory column: c * (ncols / C) + k for memory column k * C + c)
 //   g  = grad / grad_scale                                      (when grad_scale given)
 //   AdaFisher  : g' = g + wd * p ;  m = beta*m + (1-beta)*g' ;  p -= (lr/bc) * m / F
 //   AdaFisherW :                    m = beta*m + (1-beta)*g  ;  p -= lr * (m/bc/F + wd*p)
@@ -176,10 +178,14 @@ adafisher_step_kernel(const StepList list,
     dq = static_cast<uint32_t>(kStride) / nc;
     dr = static_cast<uint32_t>(kStride) - dq * nc;
   }
+  // Channels innermost (item.inner = C > 1, a channels_last conv weight): memory column
+  // k * C + c reads H at c * kk + k, kk = ncols / C.
+  const uint32_t inner = has_f ? static_cast<uint32_t>(item.inner) : 1u;
+  const uint32_t kk = nc / inner;
   // Rows of a whole number of packs and H 16-byte aligned: every pack's columns are
   // [col, col + kVec) of one row, col a multiple of kVec (the chunk and the thread's first
   // element are multiples of kVec, and so is kStride), so H is read a pack at a time.
-  const bool h_packs = has_f && nc % kVec == 0 && is_aligned16(H);
+  const bool h_packs = has_f && inner == 1 && nc % kVec == 0 && is_aligned16(H);
 
   for (int i = i0; i < n; i += kStride) {
     const int valid = n - i;  // >= 1
@@ -205,6 +211,24 @@ adafisher_step_kernel(const StepList list,
       load_aligned(hv, H + col);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) F[j] = __fadd_rn(__fmul_rn(s, hv[j]), sc.lambda_f);
+    } else if (inner > 1) {  // (one division per pack: the pack's first (k, c))
+      int64_t rj = row;
+      uint32_t k = col / inner;
+      uint32_t c = col - k * inner;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        F[j] = 1.f;
+        if (j < valid) {
+          F[j] = fisher_diagonal(S, H, rj, c * kk + k, sc.lambda_f);
+          if (++c == inner) {
+            c = 0;
+            if (++k == kk) {
+              k = 0;
+              ++rj;
+            }
+          }
+        }
+      }
     } else {
       int64_t rj = row;
       uint32_t cj = col;

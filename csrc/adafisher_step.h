@@ -35,6 +35,7 @@ void adafisher_step_(
     const std::vector<std::optional<at::Tensor>>& H_list,
     const std::vector<int64_t>& col_offsets,
     const std::vector<int64_t>& ncols,
+    const std::vector<int64_t>& inners,
     double lr,
     double beta,
     double Lambda,

@@ -30,6 +30,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                      const std::vector<std::optional<at::Tensor>>& H_list,
                      const std::vector<int64_t>& col_offsets,
                      const std::vector<int64_t>& ncols,
+                     const std::vector<int64_t>& inners,
                      double lr,
                      double beta,
                      double Lambda,
@@ -47,6 +48,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
   check_list_size(H_list.size(), n, kOp, "H_list", "params");
   check_list_size(col_offsets.size(), n, kOp, "col_offsets", "params");
   check_list_size(ncols.size(), n, kOp, "ncols", "params");
+  check_list_size(inners.size(), n, kOp, "inners", "params");
   TORCH_CHECK(beta >= 0.0 && beta < 1.0, kOp, "beta must lie in [0, 1), got ", num(beta));
   if (n == 0) return;
 
@@ -97,6 +99,7 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
     it.S = nullptr;
     it.H = nullptr;
     it.ncols = 1;
+    it.inner = 1;
 
     const bool has_S = S_list[i].has_value() && S_list[i]->defined();
     const bool has_H = H_list[i].has_value() && H_list[i]->defined();
@@ -120,10 +123,20 @@ void adafisher_step_(const std::vector<at::Tensor>& params,
                   name_of(S_name), ") * ncols[", num(i), "] = ", num(S.numel()), " * ", num(nc));
       TORCH_CHECK(off >= 0 && off + nc <= H.numel(), kOp, "col_offsets[", num(i), "] + ncols[", num(i), "] = ",
                   num(off), " + ", num(nc), " exceeds len(", name_of(H_name), ") = ", num(H.numel()));
+      const int64_t inner = inners[i];
+      TORCH_CHECK(inner >= 1 && nc % inner == 0, kOp, "inners[", num(i), "] must be >= 1 and divide ncols[", num(i),
+                  "] = ", num(nc), ", got ", num(inner));
+      if (inner > 1) {  // channels innermost: a row per dim-0 index, and the strides must say so
+        TORCH_CHECK(S.numel() == p.size(0), kOp, "inners[", num(i), "] = ", num(inner), " needs a row per index of ",
+                    name_of(p_name), "'s dim 0 (", num(p.size(0)), "), got len(", name_of(S_name), ") = ",
+                    num(S.numel()));
+        check_channels_innermost(p, inner, kOp, p_name);
+      }
       if (p.numel() > 0) {
         it.S = S.data_ptr<float>();
         it.H = H.data_ptr<float>() + off;
         it.ncols = static_cast<int32_t>(nc);
+        it.inner = static_cast<int32_t>(inner);
       }
     }
     TORCH_CHECK((it.numel + kStepChunkSize - 1) / kStepChunkSize <= std::numeric_limits<int32_t>::max(), kOp,

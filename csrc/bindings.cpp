@@ -22,7 +22,10 @@ one-element device tensor (incremented by 1).
 S_list[i] / H_list[i] are parameter i's float32 contiguous 1-D factor vectors, or
 None when it has no factors (F = 1); parameter i is then viewed as a
 (len(S_list[i]), ncols[i]) matrix reading H_list[i][col_offsets[i]:col_offsets[i] +
-ncols[i]] (col_offsets/ncols are ignored for unfactored entries).
+ncols[i]] (col_offsets/ncols are ignored for unfactored entries), each row's columns
+in memory order where inners[i] is 1; inners[i] = C > 1 says parameter i is stored channels
+innermost (a channels_last conv weight of C input channels): memory column k * C + c of a row
+reads H at column c * (ncols[i] / C) + k.
 decoupled=False: AdaFisher (L2 decay); True: AdaFisherW (decoupled decay).
 grad_scale: optional float32 device scalar, gradients are divided by it.
 found_inf: optional float32 device scalar; nonzero means nothing changes at all.
@@ -31,7 +34,7 @@ is then ignored), so a scheduler's in-place update reaches a captured CUDA graph
 No allocation, no host synchronisation: CUDA-graph capturable.)doc",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("steps"),
         py::arg("S_list"), py::arg("H_list"), py::arg("col_offsets"), py::arg("ncols"),
-        py::arg("lr"), py::arg("beta"), py::arg("Lambda"), py::arg("weight_decay"),
+        py::arg("inners"), py::arg("lr"), py::arg("beta"), py::arg("Lambda"), py::arg("weight_decay"),
         py::arg("decoupled"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
 

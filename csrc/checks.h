@@ -106,6 +106,22 @@ void check_dense(const at::Tensor& t, const char* op, const N& name) {
               " must be dense: contiguous or non-overlapping and dense (strides ", dims_str(t.strides()), ")");
 }
 
+// t (logical (O, C, *k) with C = inner) is stored channels innermost, as channels_last and
+// channels_last_3d store a convolution's weight: C with stride 1, then the k dims in their
+// order, dim 0 outermost (the strides of size-1 dims are not looked at).
+template <typename N>
+void check_channels_innermost(const at::Tensor& t, int64_t inner, const char* op, const N& name) {
+  bool ok = t.dim() >= 3 && t.size(1) == inner && (inner == 1 || t.stride(1) == 1);
+  int64_t expected = inner;
+  for (int64_t d = t.dim() - 1; ok && d >= 2; --d) {
+    ok = t.size(d) == 1 || t.stride(d) == expected;
+    expected *= t.size(d);
+  }
+  ok = ok && (t.size(0) == 1 || t.stride(0) == expected);
+  TORCH_CHECK(ok, op, name_of(name), " is not stored channels innermost with ", num(inner),
+              " channels (shape ", dims_str(t.sizes()), ", strides ", dims_str(t.strides()), ")");
+}
+
 // t has like's memory layout: both contiguous, or the same strides.
 template <typename N, typename L>
 void check_same_layout(const at::Tensor& t, const at::Tensor& like, const char* op, const N& name, const L& like_name) {

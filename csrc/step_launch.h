@@ -25,6 +25,10 @@ struct StepItem {
   const float* step;
   int64_t numel;
   int32_t ncols;
+  // 1: memory column m is logical column m.  C > 1: the parameter is stored channels
+  // innermost (channels_last / channels_last_3d conv weights, logical (O, C, *k)): memory
+  // column m = k * C + c holds logical column c * (ncols / C) + k.
+  int32_t inner;
 };
 
 struct StepScalars {

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import StepBackend, StepBatch, StepHyper
-from .layout import MemoryOrderCopies, layout_reason, memory_columns
+from .layout import MemoryOrderCopies, channels_innermost, layout_reason, memory_columns
 from .state import ensure_state
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,6 +57,8 @@ class KernelGroup:
     H: list[Optional[Tensor]] = field(default_factory=list)
     col_offsets: list[int] = field(default_factory=list)
     ncols: list[int] = field(default_factory=list)
+    #: per entry, ``C`` where the kernel reads ``H`` through a channels-innermost layout, else 1
+    inners: list[int] = field(default_factory=list)
     #: memory-ordered copies of ``H`` for the entries walked in memory order (layout.py)
     permuted: MemoryOrderCopies = field(default_factory=MemoryOrderCopies)
     #: the factors version the copies in ``permuted`` were made from
@@ -131,7 +133,6 @@ class FusedBackend(StepBackend):
             group = groups.get(gkey)
             if group is None:
                 group = groups[gkey] = KernelGroup(p.device, factors_version=batch.factors_version)
-            in_memory_order = not p.is_contiguous()  # a dense layout: walked flat, F through permuted columns
             group.index.append(i)
             group.params.append(p)
             group.exp_avgs.append(m)
@@ -141,6 +142,7 @@ class FusedBackend(StepBackend):
                 group.H.append(None)
                 group.col_offsets.append(0)
                 group.ncols.append(1)
+                group.inners.append(1)
             else:
                 for fname, f in (("S", view.S), ("H", view.H)):
                     if f.device != p.device or f.dtype != torch.float32 or f.dim() != 1 or not f.is_contiguous():
@@ -149,7 +151,9 @@ class FusedBackend(StepBackend):
                             f"{p.device}, got {f.dtype} shape {tuple(f.shape)} on {f.device}"
                         )
                 group.S.append(view.S)
-                if in_memory_order:  # a copy, refreshed by step() whenever the factors change
+                # channels_last conv weights (a row per output channel): the kernel maps the columns itself
+                inner = channels_innermost(p) if view.S.numel() == p.shape[0] else 1
+                if inner == 1 and not p.is_contiguous():  # another dense layout: a copy, refreshed by step()
                     group.permuted.add(view.H, int(view.col_offset), memory_columns(p))
                     group.H.append(None)  # (the copy, once every entry is planned: below)
                     group.col_offsets.append(0)  # the copy holds the parameter's segment alone
@@ -158,6 +162,7 @@ class FusedBackend(StepBackend):
                     group.H.append(view.H)
                     group.col_offsets.append(int(view.col_offset))
                 group.ncols.append(int(view.ncols))
+                group.inners.append(inner)
         copies = {id(g): iter(g.permuted.copies()) for g in groups.values() if len(g.permuted)}
         for group, j in in_memory:
             group.H[j] = next(copies[id(group)])
@@ -206,6 +211,7 @@ class FusedBackend(StepBackend):
             group.H,
             group.col_offsets,
             group.ncols,
+            group.inners,
             s.lr,
             s.beta,
             s.Lambda,

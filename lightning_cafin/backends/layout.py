@@ -5,12 +5,21 @@ The kernel walks a parameter as a flat row-major ``(rows, ncols)`` array and rea
 dense memory order (channels_last conv weights: strides ordered ``o, kh, kw, C``) is
 handed over as it is, and the op walks it flat, in memory order.  As long as dim 0 stays
 outermost, each row is still one contiguous block, so only the column order within a
-row differs from the logical one; the kernel stays the same when it is given a copy
-of the parameter's segment of ``H`` permuted to memory order (``H_mem[j_mem] =
-H[col_offset + j_logical]``, read from offset 0),
-rewritten in place whenever the factors change (the order itself is made once, on the
-device: a host-to-device copy per capture step would wait for the GPU).  The
-parameter's gradient and momentum must have the same strides (momentum is created in
+row differs from the logical one.  Two ways to read ``H`` in that order:
+
+* **channels innermost** (channels_last and channels_last_3d conv weights, the layouts
+  models are converted to): the kernel maps memory column ``k * C + c`` to logical column
+  ``c * (ncols / C) + k`` itself (the op's ``inners``, :func:`channels_innermost`), reading
+  the factors where they are;
+* **any other dense order** (e.g. a permuted view autograd keeps dense): the kernel is
+  given a copy of the parameter's segment of ``H`` permuted to memory order (``H_mem[j_mem]
+  = H[col_offset + j_logical]``, read from offset 0), rewritten in place whenever the
+  factors change (the order itself is made once, on the device: a host-to-device copy per
+  capture step would wait for the GPU).  Rewriting the copies was two launches (a
+  concatenation and a gather) and their host dispatch on every capture step of a
+  channels_last network, which the first way does without.
+
+The parameter's gradient and momentum must have the same strides (momentum is created in
 the parameter's memory format).
 """
 
@@ -58,6 +67,21 @@ def layout_reason(param: Tensor, grad: Optional[Tensor] = None) -> Optional[str]
             return (f"its gradient is not contiguous alike the parameter (gradient strides {tuple(grad.stride())}, "
                     f"parameter {strides})")
     return None
+
+
+def channels_innermost(t: Tensor) -> int:
+    """``C`` where ``t`` (logical ``(O, C, *k)``, not contiguous) is stored channels innermost,
+    as channels_last / channels_last_3d store a convolution's weight: ``C`` with stride 1,
+    then the ``k`` dims in their order, dim 0 outermost (size-1 dims' strides not looked
+    at); else 1.  The op checks the same (``check_channels_innermost``)."""
+    if t.dim() < 3 or t.shape[1] < 2 or t.is_contiguous() or t.stride(1) != 1:
+        return 1
+    expected = t.shape[1]
+    for d in range(t.dim() - 1, 1, -1):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return 1
+        expected *= t.shape[d]
+    return t.shape[1] if t.shape[0] == 1 or t.stride(0) == expected else 1
 
 
 def memory_columns(t: Tensor) -> Tensor:

@@ -8,7 +8,8 @@ device time.  The design allows, per captured layer, one statistics launch per s
 linear layer's input and output gradient, a normalisation layer's one launch from the
 means it saved and its bias gradient; and per step a constant (the factor update, one
 launch per 56 layers; the copy of its NaN flags to the host; the refresh of the
-memory-ordered factor copies of channels_last weights).
+memory-ordered factor copies of weights in a dense order other than channels innermost,
+``backends/layout.py``).
 
 :func:`capture_launches` counts them with ``torch.profiler`` (kernels, copies and fills on
 the device) over normal and capture steps of one trainer.  The profiler's hooks can slow

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from lightning_cafin import AdaFisher, AdaFisherW
-from lightning_cafin.backends.base import FactorView
+from lightning_cafin.backends.base import FactorView, StepBatch
 from lightning_cafin.backends.fused import FusedBackend
-from lightning_cafin.backends.layout import MemoryOrderCopies, dense_in_memory, layout_reason, memory_columns
+from lightning_cafin.backends.layout import (MemoryOrderCopies, channels_innermost, dense_in_memory, layout_reason,
+                                             memory_columns)
 
 D = torch.float64
 
@@ -34,16 +35,20 @@ def in_memory_order(view: FactorView, p: torch.Tensor) -> torch.Tensor:
     return flat(laid_out)
 
 
-def kernel_fisher(S, H_mem, col_offset, ncols, Lambda, numel):
-    """What the kernel computes for a flat parameter of ``numel`` elements."""
+def kernel_fisher(S, H_mem, col_offset, ncols, Lambda, numel, inner=1):
+    """What the kernel computes for a flat parameter of ``numel`` elements (``inner`` = C > 1:
+    stored channels innermost, memory column ``k * C + c`` reading column ``c * ncols / C + k``)."""
     f = torch.arange(numel)
-    return S[f // ncols] * H_mem[col_offset + f % ncols] + Lambda
+    m = f % ncols
+    col = m if inner == 1 else (m % inner) * (ncols // inner) + m // inner
+    return S[f // ncols] * H_mem[col_offset + col] + Lambda
 
 
 LAYOUTS = {
     "channels_last": lambda: torch.randn(6, 4, 3, 2, dtype=D).contiguous(memory_format=torch.channels_last),
     "channels_last_3d": lambda: torch.randn(5, 3, 2, 3, 2, dtype=D).contiguous(memory_format=torch.channels_last_3d),
-    "permuted_inner_dims": lambda: torch.randn(4, 5, 3, dtype=D).permute(0, 2, 1),
+    "permuted_inner_dims": lambda: torch.randn(4, 5, 3, dtype=D).permute(0, 2, 1),  # (channels innermost, as a Conv1d's)
+    "swapped_middle_dims": lambda: torch.randn(4, 3, 5, 2, dtype=D).permute(0, 2, 1, 3),  # dense, dim 0 outermost
     "contiguous": lambda: torch.randn(5, 3, 2, dtype=D),
 }
 
@@ -90,6 +95,36 @@ def test_permuted_columns_give_the_logical_fisher_in_memory_order(layout):
         copies.add(H, 0, memory_columns(p))
 
 
+@pytest.mark.parametrize("layout, inner", [("channels_last", 4), ("channels_last_3d", 3), ("permuted_inner_dims", 3),
+                                           ("swapped_middle_dims", 1), ("contiguous", 1)])
+def test_channels_innermost_layouts_map_their_columns_in_the_kernel(layout, inner):
+    """channels_last and channels_last_3d weights are read through ``inner`` = C: memory
+    column ``k * C + c`` gives the logical F, no copy of H; other orders take the copy."""
+    p = LAYOUTS[layout]()
+    assert channels_innermost(p) == inner
+    rows, ncols = p.shape[0], p.numel() // p.shape[0]
+    S, H = torch.rand(rows, dtype=D), torch.rand(ncols + 2, dtype=D)
+    if inner > 1:
+        assert torch.equal(kernel_fisher(S, H, 1, ncols, 1e-3, p.numel(), inner), in_memory_order(FactorView(S, H, 1, ncols), p))
+    cl1x1 = torch.randn(6, 4, 1, 1).contiguous(memory_format=torch.channels_last)
+    assert cl1x1.is_contiguous() and channels_innermost(cl1x1) == 1  # (a 1 x 1 kernel's layout is the contiguous one)
+    one_channel = torch.randn(6, 1, 3, 3).contiguous(memory_format=torch.channels_last)
+    assert channels_innermost(one_channel) == 1
+
+
+def test_the_plan_reads_channels_last_factors_in_place_and_copies_only_other_orders():
+    cl = torch.randn(6, 4, 3, 2).contiguous(memory_format=torch.channels_last)
+    permuted = torch.randn(4, 3, 5, 2).permute(0, 2, 1, 3)
+    views = [FactorView(torch.rand(6), torch.rand(25), 0, 24), FactorView(torch.rand(4), torch.rand(31), 1, 30)]
+    params = [cl, permuted]
+    batch = StepBatch(params, [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                      [torch.zeros(()) for _ in params], views, 0)
+    (group,) = CpuFused().prepare(batch)
+    assert group.inners == [4, 1] and len(group.permuted) == 1  # the permuted view alone takes a copy
+    assert group.H[0] is views[0].H and group.col_offsets[0] == 0  # read where it is
+    assert group.H[1] is not views[1].H and group.col_offsets[1] == 0  # its memory-ordered copy
+
+
 def test_layouts_the_kernel_cannot_walk_are_named():
     w = torch.randn(4, 5)
     assert "dim 0 outermost" in layout_reason(w.t()) and "contiguous" in layout_reason(w.t())
@@ -104,12 +139,16 @@ class StandInExtension:
     every tensor dense, the gradient and momentum laid out as the parameter, all three
     walked flat in memory order."""
 
-    def adafisher_step_(self, params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols, lr, beta, Lambda,
-                        wd, decoupled, grad_scale, found_inf, lr_tensor):
+    def adafisher_step_(self, params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols, inners, lr, beta,
+                        Lambda, wd, decoupled, grad_scale, found_inf, lr_tensor):
         if found_inf is not None and found_inf.item() != 0:
             return
-        for p, g, m, k, S, H, off, nc in zip(params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols):
+        assert len(inners) == len(params)
+        for p, g, m, k, S, H, off, nc, inner in zip(params, grads, exp_avgs, steps, S_list, H_list, col_offsets, ncols,
+                                                    inners):
             assert p.is_contiguous() or dense_in_memory(p), "the op refuses a param that is not dense"
+            assert inner == 1 or (S is not None and channels_innermost(p) == inner and S.numel() == p.shape[0]), \
+                "the op refuses an inner count the parameter's strides do not show"
             for name, t in (("grad", g), ("exp_avg", m)):
                 alike = t.is_contiguous() if p.is_contiguous() else t.stride() == p.stride()
                 assert alike and t.shape == p.shape, f"the op refuses a {name} laid out unlike its param"
@@ -117,7 +156,7 @@ class StandInExtension:
             pf, mf = flat(p), flat(m)
             k += 1
             bc = 1 - beta ** float(k)
-            F = torch.ones_like(pf) if S is None else kernel_fisher(S, H, off, nc, Lambda, pf.numel()).to(pf.dtype)
+            F = torch.ones_like(pf) if S is None else kernel_fisher(S, H, off, nc, Lambda, pf.numel(), inner).to(pf.dtype)
             if decoupled:
                 mf.mul_(beta).add_(g, alpha=1 - beta)
                 pf.sub_(lr * (mf / bc / F + wd * pf))

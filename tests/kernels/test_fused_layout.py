@@ -133,3 +133,56 @@ def test_a_channels_last_network_is_stepped_by_the_kernel_and_equals_the_oracle(
     assert opt.state[model[0].weight]["exp_avg"].stride() == model[0].weight.stride()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert float((a - b).abs().max() / b.abs().max()) <= 1e-5, name
+
+
+STEP_DTYPES = [
+    pytest.param(torch.float32, None, id="fp32"),
+    pytest.param(torch.bfloat16, None, id="bf16-m-lowp"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-m-fp32"),
+    pytest.param(torch.float16, None, id="fp16-m-lowp"),
+    pytest.param(torch.float16, torch.float32, id="fp16-m-fp32"),
+]
+
+
+@pytest.mark.parametrize("dtype, momentum_dtype", STEP_DTYPES)
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adafisher", "adafisherw"])
+def test_channels_innermost_steps_bit_for_bit_as_the_contiguous_layout(fused_ok, dtype, momentum_dtype, decoupled):
+    """A channels_last / channels_last_3d weight, whose H the kernel reads through its
+    channels-innermost order (``inners``), steps element for element as the same values laid
+    out contiguously: the same F for every element, in every dtype instantiation.  Shapes:
+    several chunks, channel counts no pack width divides (rows and packs that part mid-way)."""
+    from lightning_cafin.backends.fused import FusedBackend
+
+    fused = FusedBackend(momentum_dtype)
+    shapes = (((40, 24, 5, 5), torch.channels_last), ((33, 7, 3, 3), torch.channels_last),
+              ((9, 5, 3, 2, 2), torch.channels_last_3d))
+    logical = [torch.empty(s, device=DEV).uniform_(-1, 1).to(dtype) for s, _ in shapes]
+    views = []
+    for p in logical:
+        ncols = p.numel() // p.shape[0]
+        views.append(FactorView(torch.empty(p.shape[0], device=DEV).uniform_(0.01, 0.1),
+                                torch.empty(ncols + 1, device=DEV).uniform_(0.01, 0.1), 0, ncols))
+
+    def batch(laid_out):
+        params = [laid_out(p.clone(), fmt) for p, (_, fmt) in zip(logical, shapes)]
+        moments = [torch.zeros_like(p, dtype=momentum_dtype or dtype) for p in params]  # (in the param's layout)
+        return StepBatch(params, [torch.empty_like(p) for p in params], moments,
+                         [torch.zeros((), device=DEV) for _ in params], views, 0)
+
+    channels_innermost = batch(lambda p, fmt: p.contiguous(memory_format=fmt))
+    contiguous = batch(lambda p, fmt: p)
+    assert not any(p.is_contiguous() for p in channels_innermost.params)
+    (group,) = fused.prepare(channels_innermost)
+    assert group.inners == [24, 7, 5] and len(group.permuted) == 0  # read through the layout, no copy of H
+    h = StepHyper(2.0**-10, 0.9, 1e-3, 1e-2, decoupled)
+    for _ in range(3):
+        for i, p in enumerate(logical):
+            g = torch.randn(p.shape, device=DEV).to(dtype)
+            channels_innermost.grads[i].copy_(g)
+            contiguous.grads[i].copy_(g)
+        fused.step(channels_innermost, h, prepared=[group])
+        fused.step(contiguous, h)
+    for a, b, ma, mb in zip(channels_innermost.params, contiguous.params, channels_innermost.exp_avgs,
+                            contiguous.exp_avgs):
+        assert torch.equal(a, b) and torch.equal(ma, mb), tuple(a.shape)
+        assert not a.is_contiguous() and ma.stride() == a.stride()  # stepped in place, in its layout

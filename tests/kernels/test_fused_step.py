@@ -312,7 +312,7 @@ def step_op(ext, prob: Problem, lo: int, hi: int, decoupled: bool, **scalars) ->
     ext.adafisher_step_(
         prob.params[lo:hi], prob.grads[lo:hi], prob.exp_avgs[lo:hi], prob.steps[lo:hi],
         [v.S if v else None for v in views], [v.H if v else None for v in views],
-        [v.col_offset if v else 0 for v in views], [v.ncols if v else 1 for v in views],
+        [v.col_offset if v else 0 for v in views], [v.ncols if v else 1 for v in views], [1] * len(views),
         lr=2.0**-10, beta=BETA, Lambda=LAMBDA, weight_decay=0.05, decoupled=decoupled, **scalars,
     )
 
@@ -621,25 +621,32 @@ def test_clear_errors(ext):
     op = ext.adafisher_step_
     args = dict(lr=LR, beta=BETA, Lambda=LAMBDA, weight_decay=0.0, decoupled=False)
     with pytest.raises(RuntimeError, match=r"grads\[0\]"):
-        op([p], [torch.randn(5, 4, device=DEV)], [p.clone()], [k], [None], [None], [0], [1], **args)
+        op([p], [torch.randn(5, 4, device=DEV)], [p.clone()], [k], [None], [None], [0], [1], [1], **args)
     with pytest.raises(RuntimeError, match=r"grads\[0\].*contiguous"):
-        op([p], [torch.randn(5, 4, device=DEV).t()], [p.clone()], [k], [None], [None], [0], [1], **args)
+        op([p], [torch.randn(5, 4, device=DEV).t()], [p.clone()], [k], [None], [None], [0], [1], [1], **args)
     w = torch.randn(4, 3, 2, 2, device=DEV).contiguous(memory_format=torch.channels_last)  # dense, not contiguous
     with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must have the strides of params\[0\]"):
-        op([w], [torch.randn_like(w)], [w.contiguous()], [k], [None], [None], [0], [1], **args)
+        op([w], [torch.randn_like(w)], [w.contiguous()], [k], [None], [None], [0], [1], [1], **args)
     with pytest.raises(RuntimeError, match=r"params\[0\] must be dense"):
-        op([p[:, ::2]], [torch.randn(4, 3, device=DEV)], [p[:, ::2].clone()], [k], [None], [None], [0], [1], **args)
+        op([p[:, ::2]], [torch.randn(4, 3, device=DEV)], [p[:, ::2].clone()], [k], [None], [None], [0], [1], [1], **args)
     with pytest.raises(RuntimeError, match=r"grads\[0\]"):
-        op([p], [p.clone().half()], [p.clone()], [k], [None], [None], [0], [1], **args)
+        op([p], [p.clone().half()], [p.clone()], [k], [None], [None], [0], [1], [1], **args)
     with pytest.raises(RuntimeError, match=r"S_list\[0\]"):
-        op([p], [p.clone()], [p.clone()], [k], [factors(3)], [factors(5)], [0], [5], **args)
+        op([p], [p.clone()], [p.clone()], [k], [factors(3)], [factors(5)], [0], [5], [1], **args)
     with pytest.raises(RuntimeError, match=r"col_offsets\[0\]"):
-        op([p], [p.clone()], [p.clone()], [k], [factors(4)], [factors(5)], [1], [5], **args)
+        op([p], [p.clone()], [p.clone()], [k], [factors(4)], [factors(5)], [1], [5], [1], **args)
     with pytest.raises(RuntimeError, match=r"H_list\[0\].*float32"):
-        op([p], [p.clone()], [p.clone()], [k], [factors(4)], [factors(5).double()], [0], [5], **args)
+        op([p], [p.clone()], [p.clone()], [k], [factors(4)], [factors(5).double()], [0], [5], [1], **args)
     with pytest.raises(RuntimeError, match="found_inf"):
-        op([p], [p.clone()], [p.clone()], [k], [None], [None], [0], [1], **args, found_inf=torch.zeros(2, device=DEV))
+        op([p], [p.clone()], [p.clone()], [k], [None], [None], [0], [1], [1], **args, found_inf=torch.zeros(2, device=DEV))
     with pytest.raises(RuntimeError, match="grad_scale"):
-        op([p], [p.clone()], [p.clone()], [k], [None], [None], [0], [1], **args, grad_scale=torch.ones(()))
+        op([p], [p.clone()], [p.clone()], [k], [None], [None], [0], [1], [1], **args, grad_scale=torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"inners\[0\] must be >= 1 and divide ncols\[0\] = 5, got 2"):
+        op([p], [p.clone()], [p.clone()], [k], [factors(4)], [factors(5)], [0], [5], [2], **args)
+    with pytest.raises(RuntimeError, match=r"params\[0\] is not stored channels innermost with 3 channels"):
+        wf = torch.randn(4, 3, 2, 2, device=DEV)  # contiguous: channels outermost in each row
+        op([wf], [wf.clone()], [wf.clone()], [k], [factors(4)], [factors(12)], [0], [12], [3], **args)
+    with pytest.raises(RuntimeError, match="inners"):
+        op([p], [p.clone()], [p.clone()], [k], [None], [None], [0], [1], [], **args)
     with pytest.raises(RuntimeError, match=r"steps\[0\]"):
-        op([p], [p.clone()], [p.clone()], [torch.zeros((), device=DEV, dtype=torch.float64)], [None], [None], [0], [1], **args)
+        op([p], [p.clone()], [p.clone()], [torch.zeros((), device=DEV, dtype=torch.float64)], [None], [None], [0], [1], [1], **args)
