@@ -8,7 +8,8 @@ current stream (``False``), or on whichever made this model's capture steps fast
 (``"auto"``: ``capture/stream_choice.py`` times a few capture steps each way).  ``None``
 leaves the process default: what
 ``capture.kernels.set_impl`` / ``capture.streams.set_enabled`` set, else the
-environment variables ``LIGHTNING_CAFIN_CAPTURE`` / ``LIGHTNING_CAFIN_CAPTURE_STREAM``.
+environment variables ``LIGHTNING_CAFIN_CAPTURE`` / ``LIGHTNING_CAFIN_CAPTURE_STREAM``,
+else ``"auto"`` for both.
 
 The hooks read these settings where the statistics are computed (in the forward and
 backward pass, outside the optimizer), so an explicit value is applied to the process
@@ -46,14 +47,16 @@ class CaptureOptions:
 
     @property
     def chooses_stream(self) -> bool:
-        """Whether the stream is chosen by timing capture steps (``"auto"``)."""
-        return self.stream == "auto"
+        """Whether the stream is chosen by timing capture steps: ``"auto"``, given or (``None``)
+        the process setting."""
+        return self.stream == "auto" or (self.stream is None and capture_streams.setting() == "auto")
 
     def apply(self, chosen_side: bool = False) -> None:
         """Make the explicit choices the process settings (``None`` ones are left alone);
         ``chosen_side``: the stream of ``"auto"`` for this capture step."""
         if self.impl is not None and capture_kernels.get_impl() != self.impl:
             capture_kernels.set_impl(self.impl)
-        side = chosen_side if self.chooses_stream else self.stream
-        if side is not None and capture_streams.enabled() != side:
-            capture_streams.set_enabled(bool(side))
+        if self.stream is not None and capture_streams.setting() != self.stream:
+            capture_streams.set_enabled(self.stream)
+        if self.chooses_stream:
+            capture_streams.use(chosen_side)

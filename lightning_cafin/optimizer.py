@@ -329,8 +329,9 @@ class AdaFisher(_AdaFisherBase):
             (``None``: the process default, ``$LIGHTNING_CAFIN_CAPTURE`` or ``auto``).
         capture_stream: statistics on a side CUDA stream (``True``), the current one
             (``False``), or whichever made this model's capture steps faster (``"auto"``: a few
-            capture steps timed each way on the device, without a host sync); ``None``: the
-            process default (``$LIGHTNING_CAFIN_CAPTURE_STREAM`` or off).
+            capture steps timed each way on the device, without a host sync); ``None`` (the
+            default): the process setting (``capture.streams.set_enabled``, else
+            ``$LIGHTNING_CAFIN_CAPTURE_STREAM`` as ``1``, ``0`` or ``auto``, else ``"auto"``).
         layers: which layer types get factors: ``"all"`` (every built-in type and those added
             with ``lightning_cafin.register_layer``) or ``"paper"`` (exactly the authors' four:
             Linear, Conv2d, BatchNorm2d, LayerNorm, bit-equal to their code).

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def restore():
-    impl, stream = capture_kernels.get_impl(), capture_streams.enabled()
+    impl, stream = capture_kernels.get_impl(), capture_streams.setting()
     yield
     capture_kernels.set_impl(impl)
     capture_streams.set_enabled(stream)
@@ -50,12 +50,15 @@ def test_a_bad_environment_variable_does_not_break_the_import(var, value):
     assert f"ValueError: the environment variable {var} must be one of" in out.stdout and repr(value) in out.stdout
 
 
-@pytest.mark.parametrize("value, want", [(None, "False"), ("1", "True"), ("off", "False")])
-def test_the_side_stream_is_off_unless_asked_for(value, want):
+@pytest.mark.parametrize("value, want", [(None, "auto False"), ("1", "True True"), ("off", "False False"),
+                                         (" AUTO ", "auto False")])
+def test_the_stream_setting_is_auto_unless_asked_for(value, want):
+    """The process setting (then the stream in use): "auto" by default, the current stream
+    in use until an optimizer's capture step chooses."""
     env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_CAFIN_CAPTURE_STREAM"}
     if value is not None:
         env["LIGHTNING_CAFIN_CAPTURE_STREAM"] = value
-    code = "from lightning_cafin.capture import streams\nprint(streams.enabled())\n"
+    code = "from lightning_cafin.capture import streams\nprint(streams.setting(), streams.enabled())\n"
     out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": ROOT}, capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -98,3 +101,40 @@ def test_auto_stream_off_the_gpu_keeps_the_current_stream_and_times_nothing(rest
     assert opt.stream_chooser.times == {True: [], False: []}
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_process_setting_decides_for_optimizers_without_the_option(restore):
+    """capture_stream=None follows the process setting: "auto" chooses by timing, True or
+    False fix the stream; an explicit option overrides it for its optimizer."""
+    plain = AdaFisher(nn.Linear(3, 2), backend="foreach")
+    fixed = AdaFisher(nn.Linear(3, 2), capture_stream=False, backend="foreach")
+    capture_streams.set_enabled("auto")
+    assert plain.capture_options.chooses_stream and not fixed.capture_options.chooses_stream
+    capture_streams.set_enabled(True)
+    assert not plain.capture_options.chooses_stream
+    assert AdaFisher(nn.Linear(3, 2), capture_stream="auto", backend="foreach").capture_options.chooses_stream
+
+
+def test_under_auto_an_optimizers_choice_is_the_stream_in_use_and_the_setting_stays(restore):
+    capture_streams.set_enabled("auto")
+    plain = AdaFisher(nn.Linear(3, 2), backend="foreach").capture_options
+    plain.apply(True)  # the side stream chosen (or on trial) for this capture step
+    assert capture_streams.enabled() and capture_streams.setting() == "auto"
+    plain.apply(False)
+    assert not capture_streams.enabled() and capture_streams.setting() == "auto"
+    plain.apply(True)
+    AdaFisher(nn.Linear(3, 2), capture_stream=False, backend="foreach").capture_options.apply(True)
+    assert capture_streams.setting() is False and not capture_streams.enabled()  # an explicit value is the setting
+    AdaFisher(nn.Linear(3, 2), capture_stream="auto", backend="foreach").capture_options.apply(True)
+    assert capture_streams.setting() == "auto" and capture_streams.enabled()
+    capture_streams.set_enabled("auto")  # set anew: the current stream until an optimizer chooses
+    assert not capture_streams.enabled()
+
+
+def test_a_bad_stream_setting_is_refused_naming_the_values(restore):
+    with pytest.raises(TypeError, match="must be True, False or 'auto', got 'side'"):
+        capture_streams.set_enabled("side")  # type: ignore[arg-type]
+    capture_streams.use(True)  # under a fixed setting the choice has no effect
+    capture_streams.set_enabled(False)
+    capture_streams.use(True)
+    assert not capture_streams.enabled()

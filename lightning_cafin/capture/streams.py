@@ -5,11 +5,17 @@ backward pass is mostly convolution and matrix-multiply kernels (compute-bound),
 running the statistics on their own stream lets the GPU overlap the two instead of
 adding the statistics' time to the capture step.
 
-Off by default: the ordering costs the host per layer (an event record and wait, the
-allocator told of two tensors), which a host-bound capture step pays in full, and the runs
-disagree on whether the overlap pays for it.  Measured so far (capture step's time,
-side stream against current stream; ResNet-18 fp32, bf16 + channels_last, ResNet-50,
-the GPT):
+Neither stream is the default: the ordering costs the host per layer (an event record
+and wait, the allocator told of two tensors), which a host-bound capture step pays in full,
+so the overlap pays on some models and costs on others.  The default, ``"auto"``
+(``stream_choice.py``), times a few of the model's own capture steps each way and keeps
+the faster stream.  Measured so far (capture step's time, side stream against current
+stream; ResNet-18 fp32, bf16 + channels_last, ResNet-50, the GPT):
+
+- H100, the bench matrix at 61bcb9f (``bench-matrix-h100-61bcb9f.json``), the first to time
+  ``"auto"`` beside both: side 0.961x / 1.009x / 0.973x / 0.990x, auto 0.960x / 0.961x /
+  0.971x / 0.993x (it chose the side stream on all but bf16 + channels_last), at or under the
+  better fixed stream within the interval on all four; so ``"auto"`` became the default.
 
 - H100, the bench matrix at 1b851b1, the first run whose timed capture steps all took
   the factor update kept from the step before
@@ -49,13 +55,9 @@ by 0.5-4%) and cost where the host is the bottleneck (bf16 + channels_last ResNe
 synchronised steps (side stream, current stream), a capture step took +0.49 / +1.15 ms above a
 normal step on ResNet-18 fp32, +1.99 / +1.64 ms on bf16 + channels_last, 1.066x / 1.098x on
 ResNet-50 and 1.040x / 1.049x on the GPT: the side stream would have met two more of the
-capture step's goals, and missed bf16 + channels_last's by more.  ``capture_stream="auto"``
-(``stream_choice.py``) chooses per model by timing a few of its capture steps each way,
-with events read once done; it is an option, not the default, until the bench matrix has
-timed it against both.
-The bench matrix times both ways (``sync`` and ``pipelined.tcov1_side_stream``).  A model
-whose backward leaves the host idle for long GPU kernels may gain from it
-(``capture_stream=True``).
+capture step's goals, and missed bf16 + channels_last's by more.
+The bench matrix times every setting (``sync``: the current stream, the side stream and
+``"auto"`` explicitly; ``pipelined.tcov1_side_stream`` against the default).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the
@@ -71,11 +73,13 @@ freed to the side stream's pool, is not reused while the consumers may still rea
 Partial sums of several micro-batches are added only after :func:`join` (see
 ``PendingStats``), never on the current stream while the side stream may still write.
 
-The optimizer's ``capture_stream=True`` option, :func:`set_enabled`, or else the
-environment variable ``LIGHTNING_CAFIN_CAPTURE_STREAM=1`` (read when first needed, not
-at import) turns the side stream on; :func:`suspended` keeps one block on this thread on
-the current stream (statistics read in the forward, which a later in-place write on the
-current stream must not race).
+The optimizer's ``capture_stream`` option, else the process setting: :func:`set_enabled`,
+else the environment variable ``LIGHTNING_CAFIN_CAPTURE_STREAM`` (``1``, ``0`` or ``auto``;
+read when first needed, not at import), else ``"auto"``.  Under ``"auto"`` the optimizer
+capturing now says which stream its capture step uses (:func:`use`), the setting staying
+``"auto"`` for every other optimizer; :func:`enabled` is the stream in use.
+:func:`suspended` keeps one block on this thread on the current stream (statistics read in
+the forward, which a later in-place write on the current stream must not race).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ import contextlib
 import os
 import threading
 from types import ModuleType
-from typing import ContextManager, Iterator, Optional
+from typing import ContextManager, Iterator, Literal, Optional, Union
 
 from torch import Tensor
 
@@ -98,14 +102,17 @@ _local = threading.local()
 _NULL = contextlib.nullcontext()
 
 
-def parse_flag(value: str, what: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (any case), else a ``ValueError`` naming ``what``."""
+def parse_flag(value: str, what: str, also: tuple[str, ...] = ()) -> Union[bool, str]:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case), or one of ``also`` (returned in lower
+    case), else a ``ValueError`` naming ``what``."""
     v = str(value).strip().lower()
     if v in _TRUE:
         return True
     if v in _FALSE:
         return False
-    raise ValueError(f"{what} must be one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
+    if v in also:
+        return v
+    raise ValueError(f"{what} must be one of {', '.join(_TRUE + _FALSE + also)}, got {value!r}")
 
 
 class EnvSwitch:
@@ -122,7 +129,7 @@ class EnvSwitch:
     def get(self) -> bool:
         if self._value is None:
             raw = os.environ.get(self.env_var, "").strip()
-            self._value = parse_flag(raw, f"the environment variable {self.env_var}") if raw else self.default
+            self._value = bool(parse_flag(raw, f"the environment variable {self.env_var}")) if raw else self.default
         return self._value
 
     def set(self, on: bool) -> bool:
@@ -141,17 +148,72 @@ class EnvSwitch:
             self.set(previous)
 
 
-_switch = EnvSwitch(ENV_VAR)
+#: the process setting: the side stream (True), the current one (False), or ``"auto"``
+#: (each optimizer's capture steps choose, ``stream_choice.py``)
+Setting = Union[bool, Literal["auto"]]
+AUTO: Literal["auto"] = "auto"
 
 
-def set_enabled(on: bool) -> bool:
-    """Use (True) or bypass (False) the side stream; returns the previous setting."""
-    return _switch.set(on)
+class _StreamSetting:
+    """The process setting (the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_STREAM``, read
+    when first needed, else ``"auto"``) and, under ``"auto"``, the stream in use: the one the
+    optimizer capturing now chose (:func:`use`), the current stream until one has."""
+
+    __slots__ = ("_setting", "_chosen")
+
+    def __init__(self) -> None:
+        self._setting: Optional[Setting] = None  # None: the environment decides on first use
+        self._chosen = False
+
+    def get(self) -> Setting:
+        if self._setting is None:
+            raw = os.environ.get(ENV_VAR, "").strip()
+            self._setting = parse_flag(raw, f"the environment variable {ENV_VAR}", (AUTO,)) if raw else AUTO  # type: ignore[assignment]
+        return self._setting  # type: ignore[return-value]
+
+    def set(self, setting: Setting) -> Setting:
+        if not isinstance(setting, bool) and setting != AUTO:
+            raise TypeError(f"the capture stream setting must be True, False or 'auto', got {setting!r}")
+        previous, self._setting, self._chosen = self.get(), setting, False
+        settings_changed()
+        return previous
+
+    def in_use(self) -> bool:
+        setting = self.get()
+        return setting if isinstance(setting, bool) else self._chosen
+
+    def use(self, side: bool) -> None:
+        if bool(side) != self._chosen:
+            self._chosen = bool(side)
+            settings_changed()
+
+
+_setting = _StreamSetting()
+
+
+def set_enabled(setting: Setting) -> Setting:
+    """The side stream (True), the current stream (False), or each optimizer's choice by
+    timing (``"auto"``), for every optimizer whose ``capture_stream`` is ``None``; returns
+    the previous setting."""
+    return _setting.set(setting)
+
+
+def setting() -> Setting:
+    """The process setting: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_STREAM`` (``1``,
+    ``0`` or ``auto``), else ``"auto"``."""
+    return _setting.get()
 
 
 def enabled() -> bool:
-    """The setting in use: the last one set, else ``$LIGHTNING_CAFIN_CAPTURE_STREAM``, else off."""
-    return _switch.get()
+    """Whether the side stream is in use: the setting where it is True or False; under
+    ``"auto"``, the stream the capturing optimizer chose (:func:`use`), else off."""
+    return _setting.in_use()
+
+
+def use(side: bool) -> None:
+    """Under ``"auto"``: the stream of the capture step under way, as its optimizer chose it
+    (the setting itself stays ``"auto"``; under True or False this has no effect)."""
+    _setting.use(side)
 
 
 def side() -> bool:

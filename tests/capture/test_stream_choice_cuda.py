@@ -21,7 +21,7 @@ pytestmark = [
 
 
 def test_auto_times_capture_steps_each_way_chooses_and_trains_as_the_current_stream(fused_ok):
-    previous = capture_streams.enabled()
+    previous = capture_streams.setting()
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(),
@@ -47,5 +47,25 @@ def test_auto_times_capture_steps_each_way_chooses_and_trains_as_the_current_str
             assert len(chooser.times[side]) == TRIALS_PER_STREAM and all(t > 0 for t in chooser.times[side])
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
+    finally:
+        capture_streams.set_enabled(previous)
+
+
+def test_the_default_chooses_the_stream_by_timing_on_the_gpu(fused_ok):
+    """capture_stream=None under the default process setting ("auto"): the capture steps try
+    both streams, then one is chosen; the setting stays "auto" for other optimizers."""
+    previous = capture_streams.set_enabled("auto")
+    try:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+        opt = AdaFisher(model, TCov=1)
+        seen_side = set()
+        for _ in range(2 * TRIALS_PER_STREAM + 4):
+            opt.zero_grad()
+            model(torch.randn(16, 32, device="cuda")).logsumexp(1).sum().backward()
+            seen_side.add(capture_streams.enabled())
+            opt.step()
+            torch.cuda.synchronize()  # (every timed step's events done before the next poll)
+        assert opt.capture_options.chooses_stream and seen_side == {True, False}
+        assert opt.stream_chooser.choice is not None and capture_streams.setting() == "auto"
     finally:
         capture_streams.set_enabled(previous)
