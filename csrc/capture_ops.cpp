@@ -233,8 +233,8 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   // grid would otherwise be small (each split adds a partial map that phase 2 reads
   // once per tap, or once); phase 2's chunks are summed by their last block, in the same
   // launch, at most 64 of them: first ranges of positions, each at least
-  // window_sums_shape's per_chunk; then, where the grid is still small, ranges of at least
-  // kMapsPerGroup of the split maps (WindowChunks).
+  // window_sums_shape's per_chunk; then, for maps in (H, W, C) order where the grid is
+  // still small, ranges of at least kMapsPerGroup of the split maps (WindowChunks).
   constexpr int64_t kMaxChunks = 64, kMapsPerGroup = 4;
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(p.x.element_size());
@@ -244,7 +244,7 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   const int64_t positions = clamp64(ceil_div(target, phase2.blocks_x), 1,
                                     std::min<int64_t>(kMaxChunks, ceil_div(phase2.work, phase2.per_chunk)));
   const int64_t map_groups =
-      phase2.kind == WindowSumsKind::kColumns
+      phase2.kind != WindowSumsKind::kChannelTiles
           ? 1
           : clamp64(ceil_div(target, phase2.blocks_x * positions), 1,
                     std::max<int64_t>(1, std::min(p.nsplit / kMapsPerGroup, kMaxChunks / positions)));

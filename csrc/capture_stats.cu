@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
 
 // ---------------------------------------------------------------------------
 // Phase 2 for maps in (C, H, W) order (contiguous inputs), one group, kernels of at most
-// MAXK x MAXK: block (tile of kChwChannels channels, chunk: positions of some maps, WindowChunks).  The per-column
+// MAXK x MAXK: block (tile of kChwChannels channels, position chunk).  The per-column
 // kernel reads every map value once per tap (nine times for a 3 x 3 kernel), each block
 // summing one tap over the positions; here each warp takes one channel, its lanes read
 // consecutive positions (coalesced), every value is read once and added to the taps
@@ -417,7 +417,7 @@ constexpr int kChwChannels = kCaptureBlock / 32;
 
 template <int MAXK>
 __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const float* __restrict__ maps, int nmaps,
-                                                                        ConvInputArgs a, int chunks, int map_groups,
+                                                                        ConvInputArgs a, int chunks,
                                                                         float* __restrict__ partials,
                                                                         unsigned* __restrict__ counters,
                                                                         float* __restrict__ dst) {
@@ -430,15 +430,13 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_chw_kernel(const fl
   const int c = c0 + static_cast<int>(threadIdx.x / 32);
   const int64_t HW = a.H * a.W;
   const int64_t M = a.C * HW;
-  const Range rp = split_range(HW, chunks / map_groups, static_cast<int>(blockIdx.y) / map_groups);
-  int m_lo, m_hi;  // the chunk's maps
-  even_range(nmaps, map_groups, static_cast<int>(blockIdx.y) % map_groups, m_lo, m_hi);
+  const Range rp = split_range(HW, chunks, blockIdx.y);
   float acc[kTaps];
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
-  if (c < C) {  // positions e, e + 32, ... of the chunk, in the chunk's maps (C * H * W fits an int)
-    add_positions_to_taps<MAXK>(maps + m_lo * M, m_hi - m_lo, M, a, static_cast<int>(rp.lo) + lane,
-                                static_cast<int>(rp.hi), 32, [&](int e) { return static_cast<int64_t>(c) * HW + e; }, acc);
+  if (c < C) {  // positions e, e + 32, ... of the chunk (C * H * W fits an int)
+    add_positions_to_taps<MAXK>(maps, nmaps, M, a, static_cast<int>(rp.lo) + lane, static_cast<int>(rp.hi), 32,
+                                [&](int e) { return static_cast<int64_t>(c) * HW + e; }, acc);
   }
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = warp_sum(acc[t]);
@@ -1052,14 +1050,14 @@ cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, WindowChunks 
                                float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const WindowSumsShape shape = window_sums_shape(a);
   const int n = chunks.count(), groups = chunks.map_groups;
-  if (shape.kind == WindowSumsKind::kColumns && groups != 1) return cudaErrorInvalidValue;  // (it cuts positions only)
+  if (shape.kind != WindowSumsKind::kChannelTiles && groups != 1) return cudaErrorInvalidValue;  // (positions only)
   const dim3 grid(static_cast<unsigned>(shape.blocks_x), n);
   if (shape.kind == WindowSumsKind::kColumns) {
     window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (shape.kind == WindowSumsKind::kChannelWarps && a.kh == 1 && a.kw == 1) {
-    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, groups, ws_cols, counters, out);
+    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (shape.kind == WindowSumsKind::kChannelWarps) {
-    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, groups, ws_cols, counters, out);
+    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (a.kh == 1 && a.kw == 1) {
     window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, n, groups, ws_cols,
                                                                   counters, out);

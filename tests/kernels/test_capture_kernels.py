@@ -170,8 +170,8 @@ def test_conv_input_stats_resnet_sizes(ext, impl, layout):
     """The benchmark's shapes (batch splits and phase-2 chunks engaged); channels_last maps
     of one group and kernels up to 3 x 3 take the channels-side-by-side phase 2: several
     channel tiles, a part-filled last tile (100, 48 channels), 1 x 1 and 2 x 2 kernels.
-    Small maps of many batch splits cut the split maps into groups too (8 x 8 and 4 x 4:
-    groups of uneven sizes; 16 x 16: position chunks of several map groups each)."""
+    channels_last maps of many batch splits cut the split maps into groups too (8 x 8 and
+    4 x 4: groups of uneven sizes; 16 x 16: position chunks of several map groups each)."""
     for C, HW, k, st, p in [
         (3, 32, 3, 1, 1),
         (64, 32, 3, 1, 1),
