@@ -55,8 +55,8 @@ struct ConvInputArgs {
 // one warp per channel along its positions (kChannelWarps, eight channels a block).
 // Otherwise one block per weight column (kColumns), which reads the map once per tap.
 // Chunks along y cut the output positions (per column) or the map's positions (per
-// channel); the host sizes them from `work`, the positions a block row reads, at least
-// `per_chunk` each.
+// channel; for kChannelTiles then the split maps too, WindowChunks); the host sizes them
+// from `work`, the positions a block row reads, at least `per_chunk` each.
 enum class WindowSumsKind { kColumns, kChannelTiles, kChannelWarps };
 struct WindowSumsShape {
   WindowSumsKind kind;
@@ -67,12 +67,26 @@ struct WindowSumsShape {
 };
 WindowSumsShape window_sums_shape(const ConvInputArgs& a);
 
+// Phase 2's chunks along y: `positions` ranges of the positions, each cut into
+// `map_groups` ranges of the nsplit batch-split maps (only kChannelTiles cuts the maps; on
+// an H100 cutting them too made kChannelWarps 1.5% slower in a ResNet-18's capture step,
+// where it made kChannelTiles 10% faster).  Chunk y reads position range y / map_groups
+// of map range y % map_groups (even cuts); the chunks' partial sums are added in y order,
+// so each sum is the same for a given plan, whichever block finishes last.  Cutting the
+// maps is what keeps a small map busy: a ResNet-18's bf16 256-channel 8 x 8 input at
+// batch 256 leaves 33 split maps, which 16 blocks would read otherwise (135 KB each).
+struct WindowChunks {
+  int positions = 1;
+  int map_groups = 1;
+  int count() const { return positions * map_groups; }
+};
+
 // maps: nsplit * C*H*W floats (the batch-split partial maps, summed in split order by
-// phase 2); ws_cols: col_chunks * K floats and counters: K zeroed slots (K = C/groups *
-// kh * kw, at least window_sums_shape's blocks_x), both unused when col_chunks == 1;
+// phase 2); ws_cols: chunks.count() * K floats and counters: K zeroed slots (K = C/groups
+// * kh * kw, at least window_sums_shape's blocks_x), both unused when chunks.count() == 1;
 // out: K floats.  Two launches.
 cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
-                                    int col_chunks, float* maps, float* ws_cols, unsigned* counters,
+                                    WindowChunks chunks, float* maps, float* ws_cols, unsigned* counters,
                                     float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
@@ -191,7 +205,7 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
 // innermost) or channel_middle's vector read (channels in the middle).
 bool conv_pairs_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g);
 cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
-                                                  int col_chunks, float* maps, float* ws_cols, unsigned* counters,
+                                                  WindowChunks chunks, float* maps, float* ws_cols, unsigned* counters,
                                                   float* out, const ChannelLaunch& g, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------

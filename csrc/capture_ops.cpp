@@ -143,7 +143,8 @@ struct ConvPlan {
   at::Tensor x;  // the input as read (a copy where its layout is neither NCHW nor NHWC)
   ConvInputArgs a{};
   int64_t n_out = 0, n_maps = 0, n_cols = 0;
-  int nsplit = 1, col_chunks = 1;
+  int nsplit = 1;
+  WindowChunks chunks{};
   unsigned* counters = nullptr;
   bool zeros = false;
   int64_t n_ws() const { return n_maps + n_cols; }
@@ -231,24 +232,33 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   // Grids of about two blocks per multiprocessor: the batch is split only where the
   // grid would otherwise be small (each split adds a partial map that phase 2 reads
   // once per tap, or once); phase 2's chunks are summed by their last block, in the same
-  // launch, and each reads at least window_sums_shape's per_chunk positions.
+  // launch, at most 64 of them: first ranges of positions, each at least
+  // window_sums_shape's per_chunk; then, for maps in (H, W, C) order where the grid is
+  // still small, ranges of at least kMapsPerGroup of the split maps (WindowChunks).
+  constexpr int64_t kMaxChunks = 64, kMapsPerGroup = 4;
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(p.x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
   p.nsplit = static_cast<int>(clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64)));
   const WindowSumsShape phase2 = window_sums_shape(a);
-  p.col_chunks = static_cast<int>(clamp64(ceil_div(target, phase2.blocks_x), 1,
-                                          std::min<int64_t>(64, ceil_div(phase2.work, phase2.per_chunk))));
-  if (p.col_chunks > 1 && (p.counters = counter_slots(p.x, K)) == nullptr) p.col_chunks = 1;
+  const int64_t positions = clamp64(ceil_div(target, phase2.blocks_x), 1,
+                                    std::min<int64_t>(kMaxChunks, ceil_div(phase2.work, phase2.per_chunk)));
+  const int64_t map_groups =
+      phase2.kind != WindowSumsKind::kChannelTiles
+          ? 1
+          : clamp64(ceil_div(target, phase2.blocks_x * positions), 1,
+                    std::max<int64_t>(1, std::min(p.nsplit / kMapsPerGroup, kMaxChunks / positions)));
+  p.chunks = {static_cast<int>(positions), static_cast<int>(map_groups)};
+  if (p.chunks.count() > 1 && (p.counters = counter_slots(p.x, K)) == nullptr) p.chunks = {};
   // the workspace: the batch-split partial maps (the map itself when nsplit == 1), then
-  // the column-chunk partials
+  // the chunks' partials
   p.n_maps = p.nsplit * M;
-  p.n_cols = p.col_chunks > 1 ? p.col_chunks * K : 0;
+  p.n_cols = p.chunks.count() > 1 ? p.chunks.count() * K : 0;
   return p;
 }
 
 void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
-  check_launch(launch_conv_input_stats(p.a, p.x.scalar_type(), p.nsplit, p.col_chunks, ws,
+  check_launch(launch_conv_input_stats(p.a, p.x.scalar_type(), p.nsplit, p.chunks, ws,
                                        p.n_cols ? ws + p.n_maps : nullptr, p.counters, out, stream),
                kConv);
 }
@@ -459,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   if (conv && !h_zeros && !pg.zeros) {
     const ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
     if (conv_pairs_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
-      check_launch(launch_conv_input_stats_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, pc.col_chunks, w,
+      check_launch(launch_conv_input_stats_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, pc.chunks, w,
                                                          pc.n_cols ? w + pc.n_maps : nullptr, pc.counters, o, lg,
                                                          stream),
                    kLayer);

@@ -61,6 +61,13 @@ __device__ __forceinline__ Range split_range(int64_t n, int parts, int k) {
   return {lo < n ? lo : n, lo + per < n ? lo + per : n};
 }
 
+// Part k of [0, n) cut into `parts` ranges whose sizes differ by one at most (32-bit:
+// phase 2's ranges of the batch-split maps, at most 64 of them).
+__device__ __forceinline__ void even_range(int n, int parts, int k, int& lo, int& hi) {
+  lo = n * k / parts;
+  hi = n * (k + 1) / parts;
+}
+
 // v[u] = sum_{k < nmaps} maps[off[u] + k * M] for P positions at once (phase 2's read of
 // the batch-split partial maps), each added in order k = 0, 1, ..., every position's loads
 // of four maps in flight together: one load at a time, a chunk's positions were a chain of
@@ -335,7 +342,7 @@ __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chun
 
 // ---------------------------------------------------------------------------
 // Phase 2 for maps in (H, W, C) order (channels_last inputs), one group, kernels of at
-// most MAXK x MAXK: block (channel tile, position chunk).  The generic kernel above puts
+// most MAXK x MAXK: block (channel tile, chunk: positions of some maps, WindowChunks).  The generic kernel above puts
 // its threads along the positions of one channel, which in this order reads one float in
 // every C: an uncoalesced gather of every map value once per tap.  Here `lanes` threads
 // (a power of two, the fewest that span the channels, at most 32) read one position's
@@ -346,7 +353,7 @@ __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chun
 template <int MAXK>
 __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const float* __restrict__ maps, int nmaps,
                                                                         ConvInputArgs a, int lanes, int chunks,
-                                                                        float* __restrict__ partials,
+                                                                        int map_groups, float* __restrict__ partials,
                                                                         unsigned* __restrict__ counters,
                                                                         float* __restrict__ dst) {
   constexpr int kTaps = MAXK * MAXK;
@@ -357,13 +364,15 @@ __global__ void __launch_bounds__(kCaptureBlock) window_sums_hwc_kernel(const fl
   const int C = static_cast<int>(a.C);
   const int c = blockIdx.x * lanes + cl;
   const int64_t M = a.C * a.H * a.W;
-  const Range rp = split_range(a.H * a.W, chunks, blockIdx.y);
+  const Range rp = split_range(a.H * a.W, chunks / map_groups, static_cast<int>(blockIdx.y) / map_groups);
+  int m_lo, m_hi;  // the chunk's maps
+  even_range(nmaps, map_groups, static_cast<int>(blockIdx.y) % map_groups, m_lo, m_hi);
   float acc[kTaps];
 #pragma unroll
   for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
-  if (c < C) {  // positions e, e + pass, ... of the chunk
-    add_positions_to_taps<MAXK>(maps, nmaps, M, a, static_cast<int>(rp.lo) + ry, static_cast<int>(rp.hi), pass,
-                                [&](int e) { return static_cast<int64_t>(e) * C + c; }, acc);
+  if (c < C) {  // positions e, e + pass, ... of the chunk, in the chunk's maps
+    add_positions_to_taps<MAXK>(maps + m_lo * M, m_hi - m_lo, M, a, static_cast<int>(rp.lo) + ry,
+                                static_cast<int>(rp.hi), pass, [&](int e) { return static_cast<int64_t>(e) * C + c; }, acc);
   }
   // smem[(ry * kTaps + tap) * lanes + cl]; item t < lanes * taps (as many as 288, so a
   // thread may take two) is one (channel, tap) summed over the pass's rows, in order
@@ -1037,21 +1046,23 @@ bool middle_reads_vectors(const ChannelArgs& a, int64_t V) {
 
 // Phase 2 of the conv input statistics (after phase 1 on the same stream): every kernel
 // tap's window sum of the nsplit partial maps.
-cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, int col_chunks, const float* maps, float* ws_cols,
-                               unsigned* counters, float* out, cudaStream_t stream) {
+cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, WindowChunks chunks, const float* maps,
+                               float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const WindowSumsShape shape = window_sums_shape(a);
-  const dim3 grid(static_cast<unsigned>(shape.blocks_x), col_chunks);
+  const int n = chunks.count(), groups = chunks.map_groups;
+  if (shape.kind != WindowSumsKind::kChannelTiles && groups != 1) return cudaErrorInvalidValue;  // (positions only)
+  const dim3 grid(static_cast<unsigned>(shape.blocks_x), n);
   if (shape.kind == WindowSumsKind::kColumns) {
-    window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+    window_sums_kernel<<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (shape.kind == WindowSumsKind::kChannelWarps && a.kh == 1 && a.kw == 1) {
-    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+    window_sums_chw_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (shape.kind == WindowSumsKind::kChannelWarps) {
-    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, col_chunks, ws_cols, counters, out);
+    window_sums_chw_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, n, ws_cols, counters, out);
   } else if (a.kh == 1 && a.kw == 1) {
-    window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+    window_sums_hwc_kernel<1><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, n, groups, ws_cols,
                                                                   counters, out);
   } else {
-    window_sums_hwc_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, col_chunks, ws_cols,
+    window_sums_hwc_kernel<3><<<grid, kCaptureBlock, 0, stream>>>(maps, nsplit, a, shape.lanes, n, groups, ws_cols,
                                                                   counters, out);
   }
   return cudaGetLastError();
@@ -1059,7 +1070,7 @@ cudaError_t launch_window_sums(const ConvInputArgs& a, int nsplit, int col_chunk
 
 }  // namespace
 
-cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, int col_chunks,
+cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, WindowChunks chunks,
                                     float* maps, float* ws_cols, unsigned* counters, float* out, cudaStream_t stream) {
   const int64_t M = a.C * a.H * a.W;
   cudaError_t err = dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
@@ -1076,7 +1087,7 @@ cudaError_t launch_conv_input_stats(const ConvInputArgs& a, at::ScalarType dtype
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  return launch_window_sums(a, nsplit, col_chunks, maps, ws_cols, counters, out, stream);
+  return launch_window_sums(a, nsplit, chunks, maps, ws_cols, counters, out, stream);
 }
 
 namespace {
@@ -1207,7 +1218,7 @@ bool conv_pairs_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int 
 }
 
 cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
-                                                  int col_chunks, float* maps, float* ws_cols, unsigned* counters,
+                                                  WindowChunks chunks, float* maps, float* ws_cols, unsigned* counters,
                                                   float* out, const ChannelLaunch& g, cudaStream_t stream) {
   const int64_t blocks = paired_blocks(a, dtype, nsplit, g);
   if (blocks == 0) return cudaErrorInvalidValue;
@@ -1234,7 +1245,7 @@ cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::Sc
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  return launch_window_sums(a, nsplit, col_chunks, maps, ws_cols, counters, out, stream);
+  return launch_window_sums(a, nsplit, chunks, maps, ws_cols, counters, out, stream);
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,

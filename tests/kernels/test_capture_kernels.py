@@ -169,12 +169,15 @@ def test_conv_input_stats_awkward_inputs_and_dtypes(ext, impl, dtype, shape, lay
 def test_conv_input_stats_resnet_sizes(ext, impl, layout):
     """The benchmark's shapes (batch splits and phase-2 chunks engaged); channels_last maps
     of one group and kernels up to 3 x 3 take the channels-side-by-side phase 2: several
-    channel tiles, a part-filled last tile (100, 48 channels), 1 x 1 and 2 x 2 kernels."""
+    channel tiles, a part-filled last tile (100, 48 channels), 1 x 1 and 2 x 2 kernels.
+    channels_last maps of many batch splits cut the split maps into groups too (8 x 8 and
+    4 x 4: groups of uneven sizes; 16 x 16: position chunks of several map groups each)."""
     for C, HW, k, st, p in [
         (3, 32, 3, 1, 1),
         (64, 32, 3, 1, 1),
         (64, 32, 1, 2, 0),
         (128, 16, 3, 2, 1),
+        (256, 8, 3, 1, 1),
         (512, 4, 3, 1, 1),
         (256, 14, 1, 1, 0),
         (100, 15, 3, 1, 1),
