@@ -11,6 +11,8 @@ from torch import nn
 
 from lightning_cafin.backends.base import FactorView, StepBatch, StepHyper
 
+from .test_fused_step import LAUNCH_DTYPES  # (the step kernel's five dtype instantiations)
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused step needs a CUDA device"),
@@ -135,16 +137,7 @@ def test_a_channels_last_network_is_stepped_by_the_kernel_and_equals_the_oracle(
         assert float((a - b).abs().max() / b.abs().max()) <= 1e-5, name
 
 
-STEP_DTYPES = [
-    pytest.param(torch.float32, None, id="fp32"),
-    pytest.param(torch.bfloat16, None, id="bf16-m-lowp"),
-    pytest.param(torch.bfloat16, torch.float32, id="bf16-m-fp32"),
-    pytest.param(torch.float16, None, id="fp16-m-lowp"),
-    pytest.param(torch.float16, torch.float32, id="fp16-m-fp32"),
-]
-
-
-@pytest.mark.parametrize("dtype, momentum_dtype", STEP_DTYPES)
+@pytest.mark.parametrize("dtype, momentum_dtype", LAUNCH_DTYPES)
 @pytest.mark.parametrize("decoupled", [False, True], ids=["adafisher", "adafisherw"])
 def test_channels_innermost_steps_bit_for_bit_as_the_contiguous_layout(fused_ok, dtype, momentum_dtype, decoupled):
     """A channels_last / channels_last_3d weight, whose H the kernel reads through its
