@@ -342,7 +342,8 @@ __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chun
 
 // ---------------------------------------------------------------------------
 // Phase 2 for maps in (H, W, C) order (channels_last inputs), one group, kernels of at
-// most MAXK x MAXK: block (channel tile, chunk: positions of some maps, WindowChunks).  The generic kernel above puts
+// most MAXK x MAXK: block (channel tile, chunk: a range of positions in a range of the
+// split maps, WindowChunks).  The generic kernel above puts
 // its threads along the positions of one channel, which in this order reads one float in
 // every C: an uncoalesced gather of every map value once per tap.  Here `lanes` threads
 // (a power of two, the fewest that span the channels, at most 32) read one position's

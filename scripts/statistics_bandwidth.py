@@ -16,7 +16,10 @@ package's call is slower than it, the kernel (or its grid) leaves bandwidth unus
 the layers' shapes say where.
 
 What is timed per layer: ``FusedStats.run`` (the extension's ``layer_stats``: the input's
-statistics and the gradient's, with their allocation of the two small outputs), and
+statistics and the gradient's, with their allocation of the two small outputs; where one
+kernel reads both, one launch reads them together), the same sums *apart* (on a GPU: the
+input's op, ``conv_input_stats`` or ``channel_stats``, then the gradient's ``channel_stats``,
+so a shared launch that costs more than its parts shows), and
 ``x.sum(dtype=float32)`` plus ``g.sum(dtype=float32)``: the device time of the kernels each
 launches (``torch.profiler``), ``--reps`` calls a layer in each of ``--rounds`` profiled
 passes over every layer, the median per call.  Device time, not the time between two
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +43,7 @@ from torch import Tensor
 from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
 from lightning_cafin.bench.timing import device_us_per_call
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+from lightning_cafin.capture.rules.base import FusedStats
 from lightning_cafin.kernels import load_extension
 
 
@@ -51,6 +56,7 @@ class LayerPair:
     grad: Tensor
     run: Callable[[], object]  # the package's statistics call on (x, grad)
     what: str  # how the input is read: "window" (convolution window sums) or "rows" (per-channel)
+    apart: Optional[Callable[[], object]] = None  # the same sums by the input's op and the gradient's (GPU only)
 
     @property
     def nbytes(self) -> int:
@@ -95,8 +101,27 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
         if stats is None:
             continue
         pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
-                               "window" if stats.input_op[0] == 1 else "rows"))
+                               "window" if stats.input_op[0] == 1 else "rows",
+                               ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None))
     return pairs
+
+
+def ops_apart(ext: ModuleType, stats: FusedStats, x: Tensor, grad: Tensor) -> Callable[[], tuple[Tensor, Tensor]]:
+    """``stats`` (a ``FusedStats``) as the extension's two ops apart, ``(h, s)`` as its one call
+    gives them: the input's ``conv_input_stats`` (``input_op`` ``(1, kh, kw, sh, sw, pad_top,
+    pad_left, dh, dw, groups, Ho, Wo)``, a 3-D input read as height 1) or ``channel_stats``
+    (``(0, dim, square)``), then the gradient's ``channel_stats``.  CUDA tensors only."""
+    op = stats.input_op
+    if op[0] == 1:
+        kh, kw, sh, sw, pt, pl, dh, dw, groups, ho, wo = op[1:]
+        x4 = x if x.dim() == 4 else x.unsqueeze(-2)
+
+        def inputs() -> Tensor:
+            return ext.conv_input_stats(x4, [kh, kw], [sh, sw], [pt, pl], [dh, dw], groups, [ho, wo])
+    else:
+        def inputs() -> Tensor:
+            return ext.channel_stats(x, op[1], bool(op[2]), stats.input_div)
+    return lambda: (inputs(), ext.channel_stats(grad, stats.grad_dim, stats.grad_square, stats.grad_div))
 
 
 def torch_read(pair: LayerPair) -> Callable[[], object]:
@@ -105,8 +130,10 @@ def torch_read(pair: LayerPair) -> Callable[[], object]:
 
 def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int) -> str:
     pairs = layer_pairs(wl, device)
-    times = device_us_per_call([[p.run, torch_read(p)] for p in pairs], device, reps, rounds)
-    rows = [(p, ours, ref) for p, (ours, ref) in zip(pairs, times)]
+    times = device_us_per_call([[p.run, torch_read(p)] + ([p.apart] if p.apart else []) for p in pairs], device, reps,
+                               rounds)
+    rows = [(p, t[0], t[1]) for p, t in zip(pairs, times)]
+    apart = {p.name: t[2] for p, t in zip(pairs, times) if len(t) > 2}  # (a GPU's)
     peak = peak_bandwidth(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"workload {wl.name}: {wl.description}; {len(pairs)} layers whose statistics read their tensors; {name}"
@@ -123,13 +150,16 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int)
         ours, ref = sum(r[1] for r in chosen), sum(r[2] for r in chosen)
         lines.append(f"  {what:>6}: {len(chosen):3d} layers, {nbytes / 1e6:9.1f} MB: package {ours:9.1f} us"
                      f" ({gbs(nbytes, ours):6.0f} GB/s), torch sum {ref:9.1f} us ({gbs(nbytes, ref):6.0f} GB/s),"
-                     f" package / torch {ours / ref:5.2f}x" + (f", floor {nbytes / peak * 1e6:8.1f} us" if peak else ""))
+                     f" package / torch {ours / ref:5.2f}x" + (f", floor {nbytes / peak * 1e6:8.1f} us" if peak else "")
+                     + (f"; the ops apart {sum(apart[r[0].name] for r in chosen):9.1f} us" if apart else ""))
     lines.append(f"the {min(top, len(rows))} layers where the package takes most above torch's read "
-                 f"({'device' if device.type == 'cuda' else 'host'} us per call):")
-    lines.append(f"  {'above':>8} {'package':>8} {'torch':>8} {'GB/s':>6}  {'MB':>7}  how    layer: input -> gradient")
+                 f"({'device' if device.type == 'cuda' else 'host'} us per call"
+                 + ("; apart: the same sums by the input's op and the gradient's" if apart else "") + "):")
+    lines.append(f"  {'above':>8} {'package':>8} {'torch':>8}" + (f" {'apart':>8}" if apart else "")
+                 + f" {'GB/s':>6}  {'MB':>7}  how    layer: input -> gradient")
     for p, ours, ref in sorted(rows, key=lambda r: r[2] - r[1])[:top]:
-        lines.append(f"  {ours - ref:+8.1f} {ours:8.1f} {ref:8.1f} {gbs(p.nbytes, ours):6.0f}  {p.nbytes / 1e6:7.1f}"
-                     f"  {p.what:<6} {p.name}: {p.describe()}")
+        lines.append(f"  {ours - ref:+8.1f} {ours:8.1f} {ref:8.1f}" + (f" {apart[p.name]:8.1f}" if apart else "")
+                     + f" {gbs(p.nbytes, ours):6.0f}  {p.nbytes / 1e6:7.1f}  {p.what:<6} {p.name}: {p.describe()}")
     return "\n".join(lines)
 
 

@@ -29,9 +29,26 @@ def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_su
     assert len(pairs) == counted.layers
     assert sum(p.nbytes for p in pairs) == counted.inputs + counted.gradients
     assert {p.what for p in pairs} == ({"window", "rows"} if name == "resnet50" else {"rows"})
+    assert all(p.apart is None for p in pairs)  # (the separate ops take CUDA tensors only)
     for p in pairs[:5]:
         h, s = p.run()
         assert torch.isfinite(h).all() and torch.isfinite(s).all() and s.numel() == p.grad.shape[1 if p.grad.dim() == 4 else -1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the extension's separate ops need a CUDA GPU")
+@pytest.mark.parametrize("name", ["resnet18-bf16cl", "resnet18", "gpt"])
+def test_the_ops_apart_give_the_one_calls_sums_on_the_gpu(ext, name):  # noqa: F811
+    """The report's "apart" column times the same sums as the layer's one call: per layer, the
+    input's op and the gradient's give its (h, s) (a convolution's window sums, its rows, a
+    linear layer's tokens)."""
+    device = torch.device("cuda")
+    pairs = load().layer_pairs(workloads(device, quick=True)[name], device)
+    assert pairs and all(p.apart is not None for p in pairs)
+    for p in pairs:
+        (h, s), (h_apart, s_apart) = p.run(), p.apart()
+        torch.testing.assert_close(h_apart, h, rtol=1e-5, atol=0, msg=lambda m, p=p: f"{p.name} h: {m}")
+        torch.testing.assert_close(s_apart, s, rtol=1e-5, atol=0, msg=lambda m, p=p: f"{p.name} s: {m}")
 
 
 def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):  # noqa: F811
