@@ -142,6 +142,26 @@ def _kept_text(matrix: dict) -> Optional[str]:
             + ".")
 
 
+#: a run from before ``capture_stream="auto"`` became the default (d617a91), whose pipelined
+#: side-stream blocks were timed against the current stream (``vs_current_stream_ratio``)
+DEFAULT_WAS_CURRENT = ("In this run a capture step's statistics ran on the current stream by default: the rows "
+                       "that name no stream are the current stream's. Since d617a91 the default is "
+                       "`capture_stream='auto'`, whose rows are what a default optimizer now does.")
+#: a run since then (``vs_default_ratio``)
+DEFAULT_IS_AUTO = ("The rows that name no stream are the default, `capture_stream='auto'`, timed after its trials "
+                   "chose a stream.")
+
+
+def _default_stream_text(matrix: dict) -> Optional[str]:
+    """Which stream the rows that name none were timed on, from the pipelined side-stream
+    blocks' key (None for a matrix without them)."""
+    blocks = [w["pipelined"]["tcov1_side_stream"] for w in matrix["workloads"].values()
+              if "tcov1_side_stream" in w.get("pipelined", {})]
+    if not blocks:
+        return None
+    return DEFAULT_IS_AUTO if all("vs_default_ratio" in b for b in blocks) else DEFAULT_WAS_CURRENT
+
+
 def _launch_text(name: str, w: dict) -> str:
     launches, per_launch = w["launches"], w.get("host_us_per_added_launch")
     host = "" if per_launch is None else f", {per_launch:.0f} us of host each"
@@ -197,9 +217,9 @@ def matrix_section(path: Path, earlier: Optional[Path] = None) -> Optional[str]:
             lines.append("| " + " | ".join(cells) + " |")
     if with_intervals:
         lines += ["", INTERVAL_NOTE]
-    kept = _kept_text(matrix)
-    if kept:
-        lines += ["", kept]
+    for text in (_default_stream_text(matrix), _kept_text(matrix)):
+        if text:
+            lines += ["", text]
     counted = {name: w for name, w in matrix["workloads"].items() if w.get("launches")}
     if counted:
         lines += ["", "Device operations (kernels, copies, fills) a capture step adds to a train step, beside the budget "

@@ -151,6 +151,21 @@ def test_the_matrix_says_whether_its_timed_capture_steps_took_the_kept_launch(tm
     assert "as a training run's repeated capture steps do: `toy` 97%." in text
 
 
+def test_the_matrix_says_which_stream_its_default_rows_were_timed_on(tmp_path):
+    """A run timed before 'auto' became the default (its side-stream blocks against the
+    current stream) says its default rows are the current stream's; a run since, that they
+    are 'auto' after its trials; a run without the side-stream blocks says neither."""
+    goals = [{"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True}]
+    matrix = _toy_matrix(goals)
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert readme.DEFAULT_WAS_CURRENT not in text and readme.DEFAULT_IS_AUTO not in text
+    matrix["workloads"]["toy"]["pipelined"] = {"tcov1_side_stream": {"ms": {}, "vs_current_stream_ratio": 0.97}}
+    assert readme.DEFAULT_WAS_CURRENT in readme.matrix_section(_bench_file(tmp_path, matrix))
+    matrix["workloads"]["toy"]["pipelined"] = {"tcov1_side_stream": {"ms": {}, "vs_default_ratio": 0.97}}
+    text = readme.matrix_section(_bench_file(tmp_path, matrix))
+    assert readme.DEFAULT_IS_AUTO in text and readme.DEFAULT_WAS_CURRENT not in text
+
+
 def test_an_earlier_matrix_run_goes_beside_this_one(tmp_path):
     """``earlier``: the run before's value and verdict per figure in two more columns (a
     dash for a figure it did not have), its source and kept-launch line under the table;
