@@ -25,17 +25,38 @@ __device__ __forceinline__ T from_float(float x) {
   return static_cast<T>(x);  // round to nearest even for Half / BFloat16
 }
 
-// N consecutive elements starting at src (16-byte aligned) into fp32 registers.
+// N elements of T as stored (not widened to fp32): a pack loaded ahead of its use holds
+// 16 bytes in 4 registers whatever T, where N floats would take N.
 template <int N, typename T>
-__device__ __forceinline__ void load_aligned(float (&dst)[N], const T* __restrict__ src) {
+struct RawPack {
+  T v[N];
+};
+
+// N consecutive elements at src (16-byte aligned) as stored, in 16-byte loads.
+template <int N, typename T>
+__device__ __forceinline__ void load_packs(RawPack<N, T>& dst, const T* __restrict__ src) {
   constexpr int kPer = 16 / sizeof(T);
   static_assert(N % kPer == 0, "vector width must be a whole number of 16-byte packs");
 #pragma unroll
   for (int q = 0; q < N / kPer; ++q) {
     const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(src)[q];
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_float(pk.v[j]);
+    for (int j = 0; j < kPer; ++j) dst.v[q * kPer + j] = pk.v[j];
   }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void widen(float (&dst)[N], const RawPack<N, T>& src) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = to_float(src.v[j]);
+}
+
+// N consecutive elements starting at src (16-byte aligned) into fp32 registers.
+template <int N, typename T>
+__device__ __forceinline__ void load_aligned(float (&dst)[N], const T* __restrict__ src) {
+  RawPack<N, T> raw;
+  load_packs(raw, src);
+  widen(dst, raw);
 }
 
 template <int N, typename T>
@@ -52,12 +73,6 @@ __device__ __forceinline__ void store_aligned(T* __restrict__ dst, const float (
 }
 
 template <int N, typename T>
-__device__ __forceinline__ void load_partial(float (&dst)[N], const T* __restrict__ src, int valid) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = (j < valid) ? to_float(src[j]) : 0.f;
-}
-
-template <int N, typename T>
 __device__ __forceinline__ void store_partial(T* __restrict__ dst, const float (&src)[N], int valid) {
 #pragma unroll
   for (int j = 0; j < N; ++j) {
@@ -65,36 +80,16 @@ __device__ __forceinline__ void store_partial(T* __restrict__ dst, const float (
   }
 }
 
-// N elements of T as stored (not widened to fp32): a pack loaded ahead of its use holds
-// 16 bytes in 4 registers whatever T, where N floats would take N.
-template <int N, typename T>
-struct RawPack {
-  T v[N];
-};
-
 // N consecutive elements at src as stored: 16-byte loads where `full` (src 16-byte aligned
 // and N valid), else the `valid` first ones element by element and zeros after them.
 template <int N, typename T>
 __device__ __forceinline__ void load_raw(RawPack<N, T>& dst, const T* __restrict__ src, bool full, int valid) {
-  constexpr int kPer = 16 / sizeof(T);
-  static_assert(N % kPer == 0, "vector width must be a whole number of 16-byte packs");
   if (full) {
-#pragma unroll
-    for (int q = 0; q < N / kPer; ++q) {
-      const Pack16<T> pk = reinterpret_cast<const Pack16<T>*>(src)[q];
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) dst.v[q * kPer + j] = pk.v[j];
-    }
+    load_packs(dst, src);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) dst.v[j] = (j < valid) ? src[j] : from_float<T>(0.f);
   }
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void widen(float (&dst)[N], const RawPack<N, T>& src) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = to_float(src.v[j]);
 }
 
 __host__ __device__ __forceinline__ bool is_aligned16(const void* ptr) {
