@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_cafin.bench.goals import Goal, format_value
+from lightning_cafin.bench.matrix import SIDE_BLOCKS, default_was_current_stream
 from lightning_cafin.bench.timing import spread_text
 from lightning_cafin.provenance import REQUIRED_FIELDS
 
@@ -143,11 +144,11 @@ def _kept_text(matrix: dict) -> Optional[str]:
 
 
 #: a run from before ``capture_stream="auto"`` became the default (d617a91), whose pipelined
-#: side-stream blocks were timed against the current stream (``vs_current_stream_ratio``)
+#: side-stream blocks were timed against the current stream (``matrix.default_was_current_stream``)
 DEFAULT_WAS_CURRENT = ("In this run a capture step's statistics ran on the current stream by default: the rows "
                        "that name no stream are the current stream's. Since d617a91 the default is "
                        "`capture_stream='auto'`, whose rows are what a default optimizer now does.")
-#: a run since then (``vs_default_ratio``)
+#: a run since then
 DEFAULT_IS_AUTO = ("The rows that name no stream are the default, `capture_stream='auto'`, timed after its trials "
                    "chose a stream.")
 
@@ -155,11 +156,10 @@ DEFAULT_IS_AUTO = ("The rows that name no stream are the default, `capture_strea
 def _default_stream_text(matrix: dict) -> Optional[str]:
     """Which stream the rows that name none were timed on, from the pipelined side-stream
     blocks' key (None for a matrix without them)."""
-    blocks = [w["pipelined"]["tcov1_side_stream"] for w in matrix["workloads"].values()
-              if "tcov1_side_stream" in w.get("pipelined", {})]
+    blocks = [w["pipelined"][SIDE_BLOCKS] for w in matrix["workloads"].values() if SIDE_BLOCKS in w.get("pipelined", {})]
     if not blocks:
         return None
-    return DEFAULT_IS_AUTO if all("vs_default_ratio" in b for b in blocks) else DEFAULT_WAS_CURRENT
+    return DEFAULT_WAS_CURRENT if any(default_was_current_stream(b) for b in blocks) else DEFAULT_IS_AUTO
 
 
 def _launch_text(name: str, w: dict) -> str:

@@ -240,11 +240,16 @@ def choose_stream(t: Trainer) -> dict[str, Any]:
     return {"side": chooser.choice, "trial_ms": {"side": chooser.times[True], "current": chooser.times[False]}}
 
 
+def default_was_current_stream(side_blocks: dict[str, Any]) -> bool:
+    """Whether the run of these pipelined side-stream blocks is from before ``"auto"`` was the
+    default, when the default was the current stream (its ratio is ``vs_current_stream_ratio``)."""
+    return "vs_default_ratio" not in side_blocks
+
+
 def side_vs_default(side_blocks: dict[str, Any]) -> float:
     """The pipelined side-stream blocks over the default's: ``vs_default_ratio``, or in runs
-    from before ``"auto"`` was the default, when the default was the current stream,
-    ``vs_current_stream_ratio``."""
-    return side_blocks["vs_default_ratio"] if "vs_default_ratio" in side_blocks else side_blocks["vs_current_stream_ratio"]
+    from before ``"auto"`` was the default, ``vs_current_stream_ratio``."""
+    return side_blocks["vs_current_stream_ratio" if default_was_current_stream(side_blocks) else "vs_default_ratio"]
 
 
 def capture_step_with_python_hooks(t: Trainer) -> None:
