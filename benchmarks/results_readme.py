@@ -28,9 +28,9 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DEFAULT_BENCH = REPO / "docs" / "results" / "bench-h200.json"
 #: a later matrix-only run (``python -m lightning_cafin.bench --matrix-only``); where it exists
 #: the matrix section is rendered from it, with its own provenance, the rest from the bench
-DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100-61bcb9f.json"
+DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-9344c58.json"
 #: the matrix run before it, shown beside it (its values and verdicts in two more columns)
-DEFAULT_EARLIER_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100-844bd72.json"
+DEFAULT_EARLIER_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100-61bcb9f.json"
 DEFAULT_CONVERGENCE = REPO / "docs" / "results" / "convergence-h200" / "convergence.json"
 DEFAULT_MULTIGPU = REPO / "docs" / "results" / "multigpu-h200"
 
