@@ -4,6 +4,7 @@ layer's output gradient arrives) timed on that layer's real input and output gra
 beside torch's own full reduction of the same two tensors.
 
     python scripts/statistics_bandwidth.py --workload resnet50
+    python scripts/statistics_bandwidth.py --workload resnet50 --kernels 3   # and the 3 worst, kernel by kernel
     python scripts/statistics_bandwidth.py --quick --device cpu --workload resnet18   # a smoke run
 
 Why: the statistics kernels are memory-bound, so their device time is bytes over the
@@ -27,6 +28,11 @@ events: back-to-back calls of a small layer are bounded by the host's launch rat
 a launch), which would hide what the kernels take.  Norms whose capture reads neither
 tensor (a training batch norm, a layer norm with a bias: they use the means autograd saved)
 are left out, as in the floor.
+
+``--kernels N`` then breaks down the N layers whose one call takes most above the ops apart
+(above torch's read where there is no apart) kernel by kernel (``us_per_kernel``), on the
+layer's real tensors and on fresh random ones of the same shape and strides: whether a slow
+call is one kernel, and whether it follows the values or the layout.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
-from lightning_cafin.bench.timing import device_us_per_call
+from lightning_cafin.bench.timing import device_us_per_call, us_per_kernel
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 from lightning_cafin.capture.rules.base import FusedStats
 from lightning_cafin.kernels import load_extension
@@ -57,6 +63,7 @@ class LayerPair:
     run: Callable[[], object]  # the package's statistics call on (x, grad)
     what: str  # how the input is read: "window" (convolution window sums) or "rows" (per-channel)
     apart: Optional[Callable[[], object]] = None  # the same sums by the input's op and the gradient's (GPU only)
+    stats: Optional[FusedStats] = None  # the layer's rule's plan of the call
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +109,7 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
             continue
         pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
                                "window" if stats.input_op[0] == 1 else "rows",
-                               ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None))
+                               ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None, stats))
     return pairs
 
 
@@ -128,7 +135,30 @@ def torch_read(pair: LayerPair) -> Callable[[], object]:
     return lambda: (pair.x.sum(dtype=torch.float32), pair.grad.sum(dtype=torch.float32))
 
 
-def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int) -> str:
+def like(t: Tensor) -> Tensor:
+    """Fresh standard-normal values in a tensor of ``t``'s shape, strides, dtype and device."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).normal_()
+
+
+def kernel_lines(pair: LayerPair, reps: int) -> list[str]:
+    """``pair``'s one call and (on a GPU) its ops apart, kernel by kernel, on its real tensors
+    and on random ones of the same layout."""
+    ext = load_extension()
+    device = pair.x.device
+    lines = [f"  {pair.name}: {pair.describe()}"]
+    for values, x, grad in (("real", pair.x, pair.grad), ("random", like(pair.x), like(pair.grad))):
+        calls = [("one call", lambda a=x, b=grad: pair.stats.run(ext, a, b, False))]
+        if pair.apart is not None:
+            calls.append(("apart", ops_apart(ext, pair.stats, x, grad)))
+        for how, fn in calls:
+            kernels = us_per_kernel(fn, device, reps)
+            lines.append(f"    {values:<6} {how:<8} {sum(us for us, _ in kernels.values()):8.1f} us: "
+                         + ", ".join(f"{name} {us:.1f}" + (f" x{n:g}" if n != 1 else "")
+                                     for name, (us, n) in kernels.items()))
+    return lines
+
+
+def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int, kernels: int = 0) -> str:
     pairs = layer_pairs(wl, device)
     times = device_us_per_call([[p.run, torch_read(p)] + ([p.apart] if p.apart else []) for p in pairs], device, reps,
                                rounds)
@@ -160,12 +190,20 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int)
     for p, ours, ref in sorted(rows, key=lambda r: r[2] - r[1])[:top]:
         lines.append(f"  {ours - ref:+8.1f} {ours:8.1f} {ref:8.1f}" + (f" {apart[p.name]:8.1f}" if apart else "")
                      + f" {gbs(p.nbytes, ours):6.0f}  {p.nbytes / 1e6:7.1f}  {p.what:<6} {p.name}: {p.describe()}")
+    if kernels:
+        worst = sorted(rows, key=lambda r: apart.get(r[0].name, r[2]) - r[1])[:kernels]
+        lines.append(f"the {len(worst)} layers whose one call takes most above "
+                     + ("the ops apart" if apart else "torch's read")
+                     + f", kernel by kernel ({'device' if device.type == 'cuda' else 'host'} us per call):")
+        for p, _, _ in worst:
+            lines += kernel_lines(p, reps)
     return "\n".join(lines)
 
 
 #: the script's counts: flag -> (default, help)
 COUNTS = {"reps": (10, "calls between two events"), "rounds": (5, "interleaved rounds per layer"),
-          "top": (15, "layers listed per workload")}
+          "top": (15, "layers listed per workload"),
+          "kernels": (0, "layers then broken down kernel by kernel", 0)}
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -173,7 +211,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return print_reports(parse(argv), lambda wl, device, a: report(wl, device, a.reps, a.rounds, a.top))
+    return print_reports(parse(argv), lambda wl, device, a: report(wl, device, a.reps, a.rounds, a.top, a.kernels))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """``bench/timing.py``'s device time per call: on a CPU each call's host time, on a GPU the
-profiler's device time, refused where the profiler attributes none."""
+profiler's device time, refused where the profiler attributes none; and one call kernel by
+kernel (op by op on a CPU), under kernel names without their signatures."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_cafin.bench.timing import device_us_per_call
+from lightning_cafin.bench.timing import device_us_per_call, kernel_name, us_per_kernel
 
 CPU = torch.device("cpu")
 
@@ -25,3 +26,21 @@ def test_cpu_figures_are_each_calls_host_time_per_call():
     x = torch.randn(256, 256)
     (fast, slow), = device_us_per_call([[lambda: x.sum(), lambda: [x @ x for _ in range(20)]]], CPU, 2, 3)
     assert 0 < fast < slow
+
+
+def test_a_call_broken_down_counts_each_op_per_call_and_its_time():
+    x = torch.randn(256, 256)
+    ops = us_per_kernel(lambda: [x @ x for _ in range(3)] + [x.sum()], CPU, 2)
+    assert ops["aten::mm"][1] == 3 and ops["aten::sum"][1] == 1
+    assert ops["aten::mm"][0] > 0
+
+
+@pytest.mark.parametrize("name, short", [
+    ("void lightning_cafin::(anonymous namespace)::sumsq_and_rows_kernel<c10::BFloat16>(lightning_cafin::SumsqAndRows)",
+     "sumsq_and_rows_kernel<BFloat16>"),
+    ("void lightning_cafin::(anonymous namespace)::window_sums_hwc_kernel<3>(float const*, int)", "window_sums_hwc_kernel<3>"),
+    ("nvjet_sm90_tst_64x128_64x8_2x1_v_bz_splitK_NTN", "nvjet_sm90_tst_64x128_64x8_2x1_v_bz_splitK_NTN"),
+    ("Memset (Device)", "Memset"),
+])
+def test_kernel_names_lose_their_signature_and_namespaces_but_not_their_template_arguments(name, short):
+    assert kernel_name(name) == short

@@ -62,10 +62,27 @@ def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):
     assert len(lines) == 6 + 3 and all(" layer" in line or ": (" in line for line in lines[6:])
 
 
+def test_kernels_breaks_the_worst_layers_down_on_their_tensors_and_on_random_ones(ext, capsys):  # noqa: F811
+    assert load().main(["--quick", "--device", "cpu", "--workload", "resnet18", "--reps", "1", "--rounds", "1",
+                        "--top", "3", "--kernels", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("the 2 layers whose one call takes most"))
+    assert at == 6 + 3 and "above torch's read" in lines[at]  # (a CPU has no ops apart)
+    broken = lines[at + 1:]
+    assert len(broken) == 2 * 3 and [line.split()[0] for line in broken[1::3]] == ["real"] * 2
+    assert all(line.split()[:3] == ["random", "one", "call"] for line in broken[2::3])
+    # each call's ops by name, the extension's among them, and its total the sum of them
+    for line in broken[1::3] + broken[2::3]:
+        total, ops = line.split(" us: ")
+        assert "lightning_cafin::layer_stats" in ops
+        assert float(total.split()[-1]) > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "resnet99"], "--workload: unknown workload 'resnet99'"),
     (["--reps", "0"], "--reps must be at least 1"),
     (["--device", "tpu"], "--device: expected cuda or cpu"),
+    (["--kernels", "-1"], "--kernels must be at least 0"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(argv, message):
     with pytest.raises(SystemExit, match=message):

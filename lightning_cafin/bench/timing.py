@@ -4,7 +4,8 @@
 (the wall clock on the CPU).  ``elapsed_ms`` times a block with the wall clock between two
 synchronisations, host work included: what a training loop sees.  ``interleaved`` runs
 variants in rotated rounds, ``paired`` spreads their per-round ratios or differences.
-``run_peak`` is the allocator's peak over one call (``torch.cuda.max_memory_allocated``
+``device_us_per_call`` gives calls' device time (the profiler's), ``us_per_kernel`` one call's
+kernel by kernel.  ``run_peak`` is the allocator's peak over one call (``torch.cuda.max_memory_allocated``
 after a reset), or on the CPU the peak of the tensors the call creates
 (``monitor.memory.TemporaryMemory``).
 """
@@ -217,3 +218,34 @@ def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.de
         raise RuntimeError("torch.profiler gave the timed calls no device time (no kernel was attributed to their "
                            "record_function ranges): this torch's profiler cannot time them here")
     return [[statistics.median(samples[(i, j)]) for j in range(len(row))] for i, row in enumerate(calls)]
+
+
+def kernel_name(name: str) -> str:
+    """A profiler's kernel name without its signature, ``void`` and namespaces (its template
+    arguments kept: ``window_sums_hwc_kernel<3>`` is not ``window_sums_hwc_kernel<1>``)."""
+    s = name.replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].strip()
+    lt = s.find("<")
+    head, tail = (s, "") if lt < 0 else (s[:lt], s[lt:])
+    return head.rsplit("::", 1)[-1] + tail.replace("c10::", "")
+
+
+def us_per_kernel(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, tuple[float, float]]:
+    """One call of ``fn`` broken down: name -> (microseconds per call, launches per call) of
+    each kernel (and copy, fill) it runs on a GPU, by the profiler's device time over ``reps``
+    calls after a warm-up call; on a CPU (a smoke run) each op's own host time.  Where a
+    call's total (``device_us_per_call``) is more than expected, this says which kernel."""
+    on_gpu = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    out: dict[str, tuple[float, float]] = {}
+    for e in prof.key_averages():
+        t = float(getattr(e, "device_time_total", 0) or 0) if on_gpu else float(e.self_cpu_time_total)
+        if t > 0:
+            name = kernel_name(e.key) if on_gpu else e.key
+            us, n = out.get(name, (0.0, 0.0))
+            out[name] = (us + t / reps, n + e.count / reps)
+    return out

@@ -104,25 +104,26 @@ def workloads(device: torch.device, quick: bool) -> dict[str, Workload]:
     }
 
 
-def script_arguments(description: str, counts: dict[str, tuple[int, str]],
+def script_arguments(description: str, counts: dict[str, tuple],
                      argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments of a script that measures the matrix's workloads one by one
     (``scripts/statistics_bandwidth.py``, ``scripts/step_bandwidth.py``): ``--workload`` (a
     name or all), ``--device`` (cuda, or cpu for a smoke run), ``--quick`` (the tiny
-    workloads), and the script's positive counts (``counts``: flag -> (default, help)),
-    checked, each error naming its flag."""
+    workloads), and the script's counts (``counts``: flag -> (default, help) for a count of at
+    least 1, or (default, help, least)), checked, each error naming its flag."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
     ap.add_argument("--quick", action="store_true", help="the tiny workloads")
-    for flag, (default, text) in counts.items():
+    for flag, (default, text, *_) in counts.items():
         ap.add_argument(f"--{flag}", type=int, default=default, help=f"{text} (default {default})")
     args = ap.parse_args(argv)
     if args.workload != "all" and args.workload not in NAMES:
         raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
-    for flag in counts:
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    for flag, (_, _, *least) in counts.items():
+        lowest = least[0] if least else 1
+        if getattr(args, flag) < lowest:
+            raise SystemExit(f"--{flag} must be at least {lowest}, got {getattr(args, flag)}")
     if args.device not in ("cuda", "cpu"):
         raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
     if args.device == "cuda" and not torch.cuda.is_available():
