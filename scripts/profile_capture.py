@@ -59,7 +59,7 @@ from lightning_cafin import no_capture  # noqa: E402
 from lightning_cafin.bench import MATRIX_WORKLOADS, workloads  # noqa: E402
 from lightning_cafin.bench.launches import is_device_operation  # noqa: E402
 from lightning_cafin.bench.matrix import PHASES, Trainer, adafisher  # noqa: E402
-from lightning_cafin.bench.timing import free_memory, sync, time_ms  # noqa: E402
+from lightning_cafin.bench.timing import free_memory, kernel_name, sync, time_ms  # noqa: E402
 from lightning_cafin.capture import taps  # noqa: E402
 from lightning_cafin.provenance import machine_name  # noqa: E402
 
@@ -149,7 +149,8 @@ def change_rows(normal: dict[str, list[float]], capture: dict[str, list[float]],
     for k in rows:
         cc, cm = c.get(k, [0.0, 0.0])
         nc, nm = n.get(k, [0.0, 0.0])
-        short = k if len(k) <= NAME_WIDTH else k[: NAME_WIDTH - 3] + "..."
+        short = kernel_name(k) if k.startswith("void ") else k  # (a kernel's signature says nothing here)
+        short = short if len(short) <= NAME_WIDTH else short[: NAME_WIDTH - 3] + "..."
         lines.append(f"{cm - nm:+10.3f} {cm:11.3f} {cc:7.1f} {nm:10.3f} {nc:7.1f}  {short}")
     return lines
 

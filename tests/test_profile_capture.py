@@ -85,6 +85,14 @@ def test_device_totals_count_kernels_once_and_not_the_regions_the_host_marked():
     assert counted_us(event(cpu, 55.0), on_gpu=False) == 55.0  # on a CPU, each op's own host time
 
 
+def test_kernels_are_listed_by_name_and_template_arguments_and_host_ops_as_they_are():
+    kernel = "void lightning_cafin::(anonymous namespace)::window_sums_hwc_kernel<3>(float const*, int, " + "x" * 90 + ")"
+    normal = {"aten::native_batch_norm": [53.0, 1.0]}
+    capture = {kernel: [16.0, 0.5], "aten::native_batch_norm": [53.0, 1.1]}
+    header, first, second = load().change_rows(normal, capture, 2)
+    assert first.split()[-1] == "window_sums_hwc_kernel<3>" and second.split()[-1] == "aten::native_batch_norm"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "vgg"], "--workload must be one of resnet18, resnet18-bf16cl, resnet50, gpt or all, got 'vgg'"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
