@@ -200,7 +200,7 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int,
     return "\n".join(lines)
 
 
-#: the script's counts: flag -> (default, help)
+#: the script's counts: flag -> (default, help[, least value: 1 where not given])
 COUNTS = {"reps": (10, "calls between two events"), "rounds": (5, "interleaved rounds per layer"),
           "top": (15, "layers listed per workload"),
           "kernels": (0, "layers then broken down kernel by kernel", 0)}
