@@ -88,7 +88,7 @@ import contextlib
 import os
 import threading
 from types import ModuleType
-from typing import ContextManager, Iterator, Literal, Optional, Union
+from typing import ContextManager, Iterator, Literal, Union
 
 from torch import Tensor
 
@@ -116,25 +116,25 @@ def parse_flag(value: str, what: str, also: tuple[str, ...] = ()) -> Union[bool,
 
 
 class EnvSwitch:
-    """A process-wide on/off setting: the last value set, else its environment variable
-    (read when first needed, not at import; a bad value is an error naming it), else
-    ``default``."""
+    """A process-wide setting, on/off or one of the named choices ``also``: the last value set,
+    else its environment variable (read when first needed, not at import; a bad value is an
+    error naming it), else ``default``."""
 
-    __slots__ = ("env_var", "default", "_value")
+    __slots__ = ("env_var", "default", "also", "_value")
 
-    def __init__(self, env_var: str, default: bool = False) -> None:
-        self.env_var, self.default = env_var, default
-        self._value: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
+    def __init__(self, env_var: str, default: Union[bool, str] = False, also: tuple[str, ...] = ()) -> None:
+        self.env_var, self.default, self.also = env_var, default, also
+        self._value: Union[bool, str, None] = None  # None: not chosen yet, the environment decides on first use
 
-    def get(self) -> bool:
+    def get(self) -> Union[bool, str]:
         if self._value is None:
             raw = os.environ.get(self.env_var, "").strip()
-            self._value = bool(parse_flag(raw, f"the environment variable {self.env_var}")) if raw else self.default
+            self._value = parse_flag(raw, f"the environment variable {self.env_var}", self.also) if raw else self.default
         return self._value
 
-    def set(self, on: bool) -> bool:
-        """Set it; returns the previous setting."""
-        previous, self._value = self.get(), bool(on)
+    def set(self, on: Union[bool, str]) -> Union[bool, str]:
+        """Set it (a named choice as it is, anything else as a bool); returns the previous setting."""
+        previous, self._value = self.get(), on if isinstance(on, str) and on in self.also else bool(on)
         settings_changed()
         return previous
 
@@ -159,24 +159,20 @@ class _StreamSetting:
     when first needed, else ``"auto"``) and, under ``"auto"``, the stream in use: the one the
     optimizer capturing now chose (:func:`use`), the current stream until one has."""
 
-    __slots__ = ("_setting", "_chosen")
+    __slots__ = ("_switch", "_chosen")
 
     def __init__(self) -> None:
-        self._setting: Optional[Setting] = None  # None: the environment decides on first use
+        self._switch = EnvSwitch(ENV_VAR, default=AUTO, also=(AUTO,))
         self._chosen = False
 
     def get(self) -> Setting:
-        if self._setting is None:
-            raw = os.environ.get(ENV_VAR, "").strip()
-            self._setting = parse_flag(raw, f"the environment variable {ENV_VAR}", (AUTO,)) if raw else AUTO  # type: ignore[assignment]
-        return self._setting  # type: ignore[return-value]
+        return self._switch.get()  # type: ignore[return-value]
 
     def set(self, setting: Setting) -> Setting:
         if not isinstance(setting, bool) and setting != AUTO:
             raise TypeError(f"the capture stream setting must be True, False or 'auto', got {setting!r}")
-        previous, self._setting, self._chosen = self.get(), setting, False
-        settings_changed()
-        return previous
+        self._chosen = False
+        return self._switch.set(setting)  # type: ignore[return-value]
 
     def in_use(self) -> bool:
         setting = self.get()
