@@ -88,7 +88,7 @@ import contextlib
 import os
 import threading
 from types import ModuleType
-from typing import ContextManager, Iterator, Literal, Union
+from typing import ContextManager, Iterator, Literal, Optional, Union
 
 from torch import Tensor
 
@@ -115,26 +115,32 @@ def parse_flag(value: str, what: str, also: tuple[str, ...] = ()) -> Union[bool,
     raise ValueError(f"{what} must be one of {', '.join(_TRUE + _FALSE + also)}, got {value!r}")
 
 
+def env_setting(env_var: str, default: Union[bool, str], also: tuple[str, ...] = ()) -> Union[bool, str]:
+    """``env_var``'s value as :func:`parse_flag` reads it (``also``: the named choices it takes
+    besides on and off), ``default`` where it is unset or blank."""
+    raw = os.environ.get(env_var, "").strip()
+    return parse_flag(raw, f"the environment variable {env_var}", also) if raw else default
+
+
 class EnvSwitch:
-    """A process-wide setting, on/off or one of the named choices ``also``: the last value set,
-    else its environment variable (read when first needed, not at import; a bad value is an
-    error naming it), else ``default``."""
+    """A process-wide on/off setting: the last value set, else its environment variable
+    (read when first needed, not at import; a bad value is an error naming it), else
+    ``default``."""
 
-    __slots__ = ("env_var", "default", "also", "_value")
+    __slots__ = ("env_var", "default", "_value")
 
-    def __init__(self, env_var: str, default: Union[bool, str] = False, also: tuple[str, ...] = ()) -> None:
-        self.env_var, self.default, self.also = env_var, default, also
-        self._value: Union[bool, str, None] = None  # None: not chosen yet, the environment decides on first use
+    def __init__(self, env_var: str, default: bool = False) -> None:
+        self.env_var, self.default = env_var, default
+        self._value: Optional[bool] = None  # None: not chosen yet, the environment decides on first use
 
-    def get(self) -> Union[bool, str]:
+    def get(self) -> bool:
         if self._value is None:
-            raw = os.environ.get(self.env_var, "").strip()
-            self._value = parse_flag(raw, f"the environment variable {self.env_var}", self.also) if raw else self.default
+            self._value = bool(env_setting(self.env_var, self.default))
         return self._value
 
-    def set(self, on: Union[bool, str]) -> Union[bool, str]:
-        """Set it (a named choice as it is, anything else as a bool); returns the previous setting."""
-        previous, self._value = self.get(), on if isinstance(on, str) and on in self.also else bool(on)
+    def set(self, on: bool) -> bool:
+        """Set it; returns the previous setting."""
+        previous, self._value = self.get(), bool(on)
         settings_changed()
         return previous
 
@@ -159,20 +165,23 @@ class _StreamSetting:
     when first needed, else ``"auto"``) and, under ``"auto"``, the stream in use: the one the
     optimizer capturing now chose (:func:`use`), the current stream until one has."""
 
-    __slots__ = ("_switch", "_chosen")
+    __slots__ = ("_setting", "_chosen")
 
     def __init__(self) -> None:
-        self._switch = EnvSwitch(ENV_VAR, default=AUTO, also=(AUTO,))
+        self._setting: Optional[Setting] = None  # None: the environment decides on first use
         self._chosen = False
 
     def get(self) -> Setting:
-        return self._switch.get()  # type: ignore[return-value]
+        if self._setting is None:
+            self._setting = env_setting(ENV_VAR, AUTO, (AUTO,))  # type: ignore[assignment]
+        return self._setting  # type: ignore[return-value]
 
     def set(self, setting: Setting) -> Setting:
         if not isinstance(setting, bool) and setting != AUTO:
             raise TypeError(f"the capture stream setting must be True, False or 'auto', got {setting!r}")
-        self._chosen = False
-        return self._switch.set(setting)  # type: ignore[return-value]
+        previous, self._setting, self._chosen = self.get(), setting, False
+        settings_changed()
+        return previous
 
     def in_use(self) -> bool:
         setting = self.get()

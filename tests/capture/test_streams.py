@@ -1,13 +1,14 @@
-"""``capture/streams.py``'s process settings as the environment gives them: an on/off switch
-(``EnvSwitch``, also the C++ taps' ``taps.py``) and the capture stream's setting, which also
-takes ``auto``; read when first needed, a bad value refused naming the variable."""
+"""``capture/streams.py``'s process settings as the environment gives them (``env_setting``:
+an on/off value, or a named choice such as the capture stream's ``auto``), an on/off switch
+(``EnvSwitch``, also the C++ taps' ``taps.py``) read when first needed, a bad value refused
+naming the variable; and under ``"auto"`` the stream in use is the one the optimizer chose."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_cafin.capture import streams
-from lightning_cafin.capture.streams import EnvSwitch
+from lightning_cafin.capture.streams import AUTO, EnvSwitch, env_setting
 
 VAR = "LIGHTNING_CAFIN_TEST_SWITCH"
 
@@ -19,7 +20,7 @@ def test_an_on_off_switch_reads_its_variable_when_first_asked(monkeypatch, raw, 
     assert switch.get() is value
     monkeypatch.setenv(VAR, "0" if value else "1")  # (read once: later changes of the variable are not seen)
     assert switch.get() is value
-    assert switch.set("anything") is value and switch.get() is True  # (set: any value as a bool)
+    assert switch.set(not value) is value and switch.get() is (not value)
 
 
 def test_an_on_off_switch_refuses_a_named_choice_it_does_not_take(monkeypatch):
@@ -28,32 +29,31 @@ def test_an_on_off_switch_refuses_a_named_choice_it_does_not_take(monkeypatch):
         EnvSwitch(VAR).get()
 
 
-@pytest.mark.parametrize("raw, value", [("", "auto"), ("AUTO", "auto"), ("1", True), ("false", False)])
-def test_the_stream_setting_takes_auto_from_the_environment_and_is_auto_without_it(monkeypatch, raw, value):
+@pytest.mark.parametrize("raw, value", [("", AUTO), ("AUTO", AUTO), ("1", True), ("false", False)])
+def test_the_stream_settings_variable_takes_auto_and_is_auto_when_unset(monkeypatch, raw, value):
     monkeypatch.setenv(streams.ENV_VAR, raw)
-    setting = streams._StreamSetting()
-    assert setting.get() == value and type(setting.get()) is type(value)
-    assert setting.set(True) == value and setting.get() is True
-    assert setting.set("auto") is True and setting.get() == "auto"
+    got = env_setting(streams.ENV_VAR, AUTO, (AUTO,))
+    assert got == value and type(got) is type(value)
 
 
-def test_the_stream_setting_refuses_other_values_naming_the_variable_or_the_setting(monkeypatch):
+def test_other_values_are_refused_naming_the_variable_and_what_it_takes(monkeypatch):
     monkeypatch.setenv(streams.ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match=f"{streams.ENV_VAR} must be one of .*off, auto, got 'sometimes'"):
-        streams._StreamSetting().get()
-    monkeypatch.delenv(streams.ENV_VAR)
+        env_setting(streams.ENV_VAR, AUTO, (AUTO,))
     with pytest.raises(TypeError, match="must be True, False or 'auto', got 'side'"):
-        streams._StreamSetting().set("side")
+        streams.set_enabled("side")  # type: ignore[arg-type]
 
 
-def test_under_auto_the_stream_in_use_is_the_one_chosen_and_a_new_setting_forgets_it(monkeypatch):
-    monkeypatch.delenv(streams.ENV_VAR, raising=False)
-    setting = streams._StreamSetting()
-    assert setting.in_use() is False
-    setting.use(True)
-    assert setting.in_use() is True and setting.get() == "auto"
-    setting.set("auto")
-    assert setting.in_use() is False
-    setting.set(False)
-    setting.use(True)
-    assert setting.in_use() is False  # (a fixed setting is not overridden by a choice)
+def test_under_auto_the_stream_in_use_is_the_one_chosen_and_a_new_setting_forgets_it():
+    previous = streams.set_enabled(AUTO)
+    try:
+        assert streams.setting() == AUTO and streams.enabled() is False
+        streams.use(True)
+        assert streams.enabled() is True and streams.setting() == AUTO
+        streams.set_enabled(AUTO)
+        assert streams.enabled() is False
+        streams.set_enabled(False)
+        streams.use(True)
+        assert streams.enabled() is False  # (a fixed setting is not overridden by a choice)
+    finally:
+        streams.set_enabled(previous)
