@@ -6,6 +6,7 @@
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "capture_tap.h"
+#include "factor_launch.h"
 #include "side_stream.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -81,6 +82,16 @@ with ATen ops (the reference).)doc",
       .def("__len__", &lightning_cafin::TapSink::size);
   py::class_<lightning_cafin::TakenSums, std::shared_ptr<lightning_cafin::TakenSums>>(
       m, "TakenSums", "Every layer's sums of one capture step (take_single), held for FactorLaunch.run.")
+      .def(py::init([](std::vector<at::Tensor> h, std::vector<at::Tensor> s) {
+             TORCH_CHECK(h.size() == s.size(), "TakenSums: h and s must have one entry per layer each, got ",
+                         h.size(), " and ", s.size());
+             auto taken = std::make_shared<lightning_cafin::TakenSums>();
+             taken->h = std::move(h);
+             taken->s = std::move(s);
+             return taken;
+           }),
+           "The sums of layers given directly (what take_single hands FactorLaunch.run).", py::arg("h"),
+           py::arg("s"))
       .def_readonly("h", &lightning_cafin::TakenSums::h, "The layers' h, in the order of the sinks.")
       .def_readonly("s", &lightning_cafin::TakenSums::s, "The layers' s, in the order of the sinks.")
       .def("__len__", [](const lightning_cafin::TakenSums& t) { return t.h.size(); });
@@ -104,27 +115,29 @@ launch kept across capture steps: take() is take_single with them.)doc")
           "take", [](const lightning_cafin::SinkSet& set) { return lightning_cafin::take_single(set); },
           "take_single with this set's arguments: a TakenSums, or None (nothing taken).")
       .def("__len__", [](const lightning_cafin::SinkSet& set) { return set.sinks.size(); });
+  py::class_<lightning_cafin::HostFlags, std::shared_ptr<lightning_cafin::HostFlags>>(
+      m, "HostFlags",
+      R"doc(One FactorLaunch.run's NaN flags (1: that layer's statistics held a NaN and its factors
+were left as they were), written by the kernel into pinned host memory.)doc")
+      .def("values", &lightning_cafin::HostFlags::values,
+           "The flags, one per layer; the first call waits for the launch (without the GIL).")
+      .def("ready", &lightning_cafin::HostFlags::ready, "Whether values() would not wait.")
+      .def("__len__", &lightning_cafin::HostFlags::size);
   py::class_<lightning_cafin::FactorLaunch, std::shared_ptr<lightning_cafin::FactorLaunch>>(
       m, "FactorLaunch",
       R"doc(factor_update_'s per-layer arguments after the sums (H, S, kinds, flags, h_div, s_div,
-s_scale, extra), converted once, for a launch kept across capture steps: run(taken, c_old,
-c_new) is factor_update_ with the sums take_single took.)doc")
-      .def(py::init([](std::vector<at::Tensor> H, std::vector<at::Tensor> S, std::vector<int64_t> kinds,
-                       std::vector<int64_t> flags, std::vector<double> h_div, std::vector<double> s_div,
-                       std::vector<double> s_scale, std::vector<double> extra) {
-             return lightning_cafin::FactorLaunch{std::move(H),     std::move(S),     std::move(kinds),
-                                                  std::move(flags), std::move(h_div), std::move(s_div),
-                                                  std::move(s_scale), std::move(extra)};
-           }),
+s_scale, extra), checked as factor_update_ checks them and made into launch items once, for a
+launch kept across capture steps.)doc")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&, const std::vector<double>&, const std::vector<double>&,
+                    const std::vector<double>&, const std::vector<double>&>(),
            py::arg("H"), py::arg("S"), py::arg("kinds"), py::arg("flags"), py::arg("h_div"), py::arg("s_div"),
            py::arg("s_scale"), py::arg("extra"))
-      .def(
-          "run",
-          [](const lightning_cafin::FactorLaunch& launch, const lightning_cafin::TakenSums& taken, double c_old,
-             double c_new) { return launch.run(taken.h, taken.s, c_old, c_new); },
-          "factor_update_ of the taken sums with this launch's arguments; the NaN flags.", py::arg("taken"),
-          py::arg("c_old"), py::arg("c_new"))
-      .def("__len__", [](const lightning_cafin::FactorLaunch& launch) { return launch.H.size(); });
+      .def("run", &lightning_cafin::FactorLaunch::run,
+           R"doc(factor_update_ of the sums take_single took, on the current stream of the factors'
+device: a HostFlags.  Not while that stream is being captured into a CUDA graph.)doc",
+           py::arg("taken"), py::arg("c_old"), py::arg("c_new"))
+      .def("__len__", &lightning_cafin::FactorLaunch::size);
   py::class_<lightning_cafin::TapPlan, std::shared_ptr<lightning_cafin::TapPlan>>(
       m, "TapPlan",
       R"doc(One layer's gradient tap for one pair of shapes: its sink and layer_stats' arguments

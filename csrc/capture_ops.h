@@ -65,19 +65,5 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                           const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
                           double c_new);
 
-// factor_update_'s per-layer arguments after the sums, converted once: a kept launch
-// (factors.py, KeptLaunch) updates the same layers' factors at every capture step, where
-// converting eight lists of a hundred entries from Python cost about 2.4 microseconds per
-// layer on the H200's host.  run() checks everything factor_update_ checks.
-struct FactorLaunch {
-  std::vector<at::Tensor> H, S;
-  std::vector<int64_t> kinds, flags;
-  std::vector<double> h_div, s_div, s_scale, extra;
-
-  at::Tensor run(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s, double c_old,
-                 double c_new) const {
-    return factor_update_(h, s, H, S, kinds, flags, h_div, s_div, s_scale, extra, c_old, c_new);
-  }
-};
 
 }  // namespace lightning_cafin

@@ -20,7 +20,7 @@ import contextlib
 import math
 import operator
 from types import ModuleType
-from typing import Callable, Iterator, Optional, Sequence, overload
+from typing import Callable, Iterator, Optional, Protocol, Sequence, overload
 
 import torch
 from torch import Tensor
@@ -75,14 +75,24 @@ class _FlagBuffers:
             free.append((pinned, event))
 
 
-class _DeviceFlags:
-    """NaN flags of the kernel-updated layers, copied to the host without blocking and
-    waited for only when first read."""
+class HostFlagsLike(Protocol):
+    """The extension's ``HostFlags`` (a kept launch's NaN flags, which its kernel writes into
+    pinned host memory): ``values()`` waits for the launch the first time."""
 
-    def __init__(self, names: list[str], flags: Tensor):
+    def values(self) -> list[int]: ...
+
+
+class _DeviceFlags:
+    """NaN flags of the kernel-updated layers, waited for only when first read: a device
+    tensor copied to the host without blocking, or a kept launch's ``HostFlags``."""
+
+    def __init__(self, names: list[str], flags: Tensor | HostFlagsLike):
         self.names = names
         self._host: Optional[list[int]] = None
-        if flags.is_cuda:
+        self._later: Optional[HostFlagsLike] = None
+        if not isinstance(flags, Tensor):
+            self._later = flags
+        elif flags.is_cuda:
             self._key, self._pinned, self._event = _FlagBuffers.take(flags)
             self._pinned.copy_(flags, non_blocking=True)
             self._event.record()
@@ -90,7 +100,9 @@ class _DeviceFlags:
             self._host = flags.tolist()
 
     def values(self) -> list[int]:
-        if self._host is None:
+        if self._host is None and self._later is not None:
+            self._host, self._later = list(self._later.values()), None
+        elif self._host is None:
             self._event.synchronize()
             self._host = self._pinned.tolist()
             _FlagBuffers.give_back(self._key, self._pinned, self._event)
@@ -165,9 +177,10 @@ class CaptureReport:
             self._updated.append(name)
 
     @classmethod
-    def on_device(cls, names: list[str], flags: Tensor) -> "CaptureReport":
+    def on_device(cls, names: list[str], flags: Tensor | HostFlagsLike) -> "CaptureReport":
         """The report of a capture step whose every layer the kernel decided (``flags``: its
-        NaN flags, read from the device only when the report is looked at)."""
+        NaN flags, a device tensor or a kept launch's ``HostFlags``, read only when the
+        report is looked at)."""
         report = cls()
         report._order = list(names)
         report._device = _DeviceFlags(names, flags)
@@ -176,7 +189,11 @@ class CaptureReport:
     def _names(self, want_nan: bool) -> list[str]:
         nan = set(self._non_finite)
         if self._device is not None:
-            nan |= {n for n, f in zip(self._device.names, self._device.values()) if f}
+            values = self._device.values()
+            if any(values):
+                nan |= {n for n, f in zip(self._device.names, values) if f}
+        if not nan:  # (the usual report, read at every capture step: no test per name)
+            return [] if want_nan else list(self._order)
         return [n for n in self._order if (n in nan) == want_nan]
 
 
@@ -309,8 +326,9 @@ class KeptLaunch:
     (``take_single`` with the sinks and expected sizes converted once) takes every sink's
     one result in one call, checking its sizes, counts, dtype and device, or takes nothing
     (then the general path runs, and may keep a new launch); the sums it took stay in C++
-    (``TakenSums``) for ``FactorLaunch.run`` (``factor_update_`` with the layers' other
-    arguments converted once).
+    (``TakenSums``) for ``FactorLaunch.run``: ``factor_update_`` with the layers' launch
+    items built and checked once, whose kernel writes its NaN flags straight into pinned
+    host memory (``HostFlags``: no device tensor, copy or Python event record per step).
 
     A step unlike the kept one leaves the launch kept while it can still serve a later step
     (``usable``): after statistics from the Python hooks or a layer that did not run, the
@@ -320,21 +338,21 @@ class KeptLaunch:
     launch is dropped.
     """
 
-    __slots__ = ("caps", "state", "bias", "sinks", "factor_launch", "stamp", "grad_scale", "device", "names")
+    __slots__ = ("caps", "state", "biases", "sinks", "factor_launch", "stamp", "grad_scale", "names")
 
     def __init__(self, batch: _KernelBatch, ext: ModuleType, stamp: int, grad_scale: Optional[float],
                  counts: list[tuple[float, float]]) -> None:
         self.caps = tuple(batch.caps)
         # per layer, what a repeat finds: its kept slot, one tap out, nothing committed in Python
         self.state = [(slot, 1, 0) for slot in batch.slots]
-        self.bias = _bias_presence(batch.caps)
+        self.biases = list(map(_BIAS, map(_PARAMETERS, batch.caps)))  # (each layer's bias, or None)
         like = [slot.H for slot in batch.slots]  # (the device each layer's sums must be on)
         # both converted to C++ once: a list of a hundred entries through pybind per step
         # cost the step about 2 microseconds per layer (``SinkSet``, ``FactorLaunch``)
         self.sinks = ext.SinkSet([cap.sink for cap in batch.caps], like, [h.numel() for h in batch.h],
                                  [hn for hn, _ in counts], [s.numel() for s in batch.s], [sn for _, sn in counts])
         self.factor_launch = ext.FactorLaunch(*_launch_args(batch.slots))
-        self.stamp, self.grad_scale, self.device = stamp, grad_scale, like[0].device
+        self.stamp, self.grad_scale = stamp, grad_scale
         self.names = [cap.name for cap in batch.caps]
 
     def run(self, captures: list[LayerCapture], stamp: int, grad_scale: Optional[float],
@@ -345,18 +363,19 @@ class KeptLaunch:
             return None
         # (hot: ~40-110 layers, read by map in C; a Python loop calling methods per layer cost
         # ~4 microseconds a layer on the H200's host)
+        # (the same bias objects, not only a bias where there was one: all in C, where the
+        # list of per-layer booleans a comprehension built cost ~1 microsecond a layer)
         if (not all(map(operator.is_, captures, self.caps)) or list(map(_KEPT_STATE, captures)) != self.state
-                or _bias_presence(captures) != self.bias):
+                or not all(map(operator.is_, map(_BIAS, map(_PARAMETERS, captures)), self.biases))):
             return None
         taken = self.sinks.take()
         if taken is None:
             return None
         for cap in captures:
             cap.taps_out = 0
-        device = self.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            flags = self.factor_launch.run(taken, 0.1 * gamma, 0.01 * gamma)
-            return CaptureReport.on_device(self.names, flags)
+        # (on the factors' device, which the launch guards itself; its NaN flags reach the
+        # host without a copy: a HostFlags)
+        return CaptureReport.on_device(self.names, self.factor_launch.run(taken, 0.1 * gamma, 0.01 * gamma))
 
     def usable(self, stamp: int) -> bool:
         """Whether a later step could still take this launch: no factor tensor was replaced
@@ -367,17 +386,12 @@ class KeptLaunch:
 
 
 #: a kept launch's per-layer checks (``KeptLaunch.run``): ``(kernel_slot, taps_out, calls
-#: committed in Python)`` (``KernelSlot`` compares by identity), and whether a bias exists
+#: committed in Python)`` (``KernelSlot`` compares by identity), and each layer's bias
 _KEPT_STATE = operator.attrgetter("kernel_slot", "taps_out", "_pending.calls")
 _SLOT = operator.attrgetter("kernel_slot")
 _FIRST = operator.itemgetter(0)  # (a layer's kept slot, in its ``state``)
 _PARAMETERS = operator.attrgetter("module._parameters")
 _BIAS = operator.methodcaller("get", "bias")
-
-
-def _bias_presence(caps: Sequence[LayerCapture]) -> list[bool]:
-    """Per layer, :func:`_has_bias`, read by map (a kept launch asks it at every capture step)."""
-    return [bias is not None for bias in map(_BIAS, map(_PARAMETERS, caps))]
 
 
 def _launch_args(slots: list[KernelSlot]) -> tuple[list, ...]:
@@ -513,7 +527,7 @@ def _launch(batches: dict[torch.device, _KernelBatch], gamma: float, report: Cap
             prev = report._device
             merged = _DeviceFlags.__new__(_DeviceFlags)
             merged.names = prev.names + names
-            merged._host = prev.values() + device_flags.values()
+            merged._host, merged._later = prev.values() + device_flags.values(), None
             report._device = merged
         if b.fresh:
             nan = device_flags.values()

@@ -57,6 +57,30 @@ def test_report_names_keep_capture_order_and_compare_as_lists():
     assert repr(rep.updated) == "['x', 'w']"
 
 
+def test_reports_read_a_kept_launchs_host_flags_once_and_only_when_looked_at():
+    """A kept launch hands its report the extension's ``HostFlags`` (its kernel wrote them into
+    pinned host memory): read when the report is first looked at, once, in capture order;
+    a report with no flag set has every layer updated."""
+
+    class Flags:  # HostFlags' contract: values() waits for the launch the first time
+        def __init__(self, values: list[int]) -> None:
+            self.v, self.reads = values, 0
+
+        def values(self) -> list[int]:
+            self.reads += 1
+            return list(self.v)
+
+    names = ["a", "b", "c", "d"]
+    flags = Flags([0, 1, 0, 1])
+    rep = CaptureReport.on_device(names, flags)
+    assert flags.reads == 0 and not rep.settled
+    assert list(rep.non_finite) == ["b", "d"] and list(rep.updated) == ["a", "c"]
+    assert flags.reads == 1
+    clean = Flags([0, 0, 0, 0])
+    rep = CaptureReport.on_device(names, clean)
+    assert list(rep.updated) == names and len(rep.non_finite) == 0 and clean.reads == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device flags are copied from a CUDA device")
 def test_reports_on_device_read_their_own_flags_while_buffers_are_reused():
