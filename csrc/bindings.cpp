@@ -8,7 +8,6 @@
 #include "capture_tap.h"
 #include "factor_launch.h"
 #include "side_stream.h"
-#include "tap_thread.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning_cafin fused CUDA kernels (AdaFisher / AdaFisherW step, factor capture)";
@@ -223,17 +222,6 @@ Returns False (nothing changed) for CPU tensors or while a CUDA graph is being c
 each True must be followed by capture_side_exit().)doc",
         py::arg("reads"));
   m.def("capture_side_exit", &lightning_cafin::side_exit, "Restore the stream capture_side_enter replaced.");
-  m.def("set_tap_thread", &lightning_cafin::set_tap_thread,
-        R"doc(Run the gradient taps' statistics on one worker thread (True) or in the tap itself on
-the autograd thread (False, the default): see csrc/tap_thread.h.)doc",
-        py::arg("on"));
-  m.def("tap_thread", &lightning_cafin::tap_thread, "Whether the taps' statistics run on the worker thread.");
-  m.def("tap_thread_jobs", &lightning_cafin::tap_thread_jobs,
-        "How many taps' works the worker thread has run without an error, ever (tests and diagnostics).");
-  m.def("tap_thread_drain", &lightning_cafin::tap_thread_drain,
-        R"doc(Wait until the worker thread has run every tap's work queued so far (without the GIL),
-then raise the first error any of it raised since the last wait.  A backward that fired taps
-already waits at its end.)doc");
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");
   m.def("capture_release", &lightning_cafin::capture_release,

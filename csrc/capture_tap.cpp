@@ -4,7 +4,6 @@
 #include "capture_ops.h"
 #include "checks.h"
 #include "record_op.h"
-#include "tap_thread.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -67,11 +66,10 @@ struct LayerTap final : OutputTap {
     const at::Tensor input = std::move(x);
     x = at::Tensor();
     if (!grad_base.defined()) return;
-    run_tap_work(input, [plan = plan, input, grad = at::Tensor(grad_base), side = side] {
-      const TapPlan& p = *plan;
-      auto [h, s] = layer_stats(input, grad, p.input_op, p.input_div, p.grad_dim, p.grad_square, p.grad_div, side);
-      p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
-    });
+    const at::Tensor grad(grad_base);
+    const TapPlan& p = *plan;
+    auto [h, s] = layer_stats(input, grad, p.input_op, p.input_div, p.grad_dim, p.grad_square, p.grad_div, side);
+    p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
   }
 };
 
@@ -86,9 +84,8 @@ struct GradientTap final : OutputTap {
   void take(const at::TensorBase& grad_base) override {
     if (fired || !grad_base.defined()) return;  // a second backward through a retained graph
     fired = true;
-    run_tap_work(h, [plan = plan, h = h, hn = hn, grad = at::Tensor(grad_base), side = side] {
-      plan->sink->add({h, hn, gradient_sums(*plan, grad, side), plan->sn});
-    });
+    const at::Tensor grad(grad_base);
+    plan->sink->add({h, hn, gradient_sums(*plan, grad, side), plan->sn});
   }
 };
 
@@ -125,17 +122,15 @@ struct NormTap final : torch::autograd::FunctionPostHook {
     if (!bias_grad.defined() && !grad.defined()) return grad_inputs;
     const at::Tensor m = std::move(means);
     means = at::Tensor();
-    run_tap_work(m, [plan = plan, m, bias_grad, grad] {
-      const TapPlan& p = *plan;
-      at::NoGradGuard no_grad;  // a backward with create_graph=True records nothing of this
-      // h from the means, s the bias gradient copied (not bias.grad itself), in one launch;
-      // where this backward computes no bias gradient (autograd.grad or backward(inputs=...)
-      // without the bias), s is the sum it would have been, from the output's gradient, as
-      // the ordinary tap takes it
-      auto [h, s] = norm_stats(m, bias_grad.defined() ? bias_grad : at::empty({0}, m.options()), p.mean_scale);
-      if (!bias_grad.defined()) s = gradient_sums(p, grad, /*side=*/false);
-      p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
-    });
+    const TapPlan& p = *plan;
+    at::NoGradGuard no_grad;  // a backward with create_graph=True records nothing of this
+    // h from the means, s the bias gradient copied (not bias.grad itself), in one launch;
+    // where this backward computes no bias gradient (autograd.grad or backward(inputs=...)
+    // without the bias), s is the sum it would have been, from the output's gradient, as
+    // the ordinary tap takes it
+    auto [h, s] = norm_stats(m, bias_grad.defined() ? bias_grad : at::empty({0}, m.options()), p.mean_scale);
+    if (!bias_grad.defined()) s = gradient_sums(p, grad, /*side=*/false);
+    p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
     return grad_inputs;
   }
 };

@@ -194,10 +194,7 @@ def _tap_plan(capture: LayerCapture, x: Tensor, output: Tensor, read: tuple[Tens
     if not taps.usable():
         return None
     ext = _kernels.ext_for(*read)
-    if ext is None:
-        return None
-    taps.give_thread_setting(ext)
-    return capture.tap_plan(ext, x, output)
+    return None if ext is None else capture.tap_plan(ext, x, output)
 
 
 def _repeat_next_time(capture: LayerCapture, x: Tensor, output: Tensor, plan: Any, read_now: bool) -> None:

@@ -269,12 +269,9 @@ def beside(*reads: Tensor) -> ContextManager[None]:
 
 
 def join() -> None:
-    """Make the current stream of every device with side work wait for it (after the taps'
-    worker thread, where it is on, has launched every statistic queued: ``taps.set_thread``)."""
+    """Make the current stream of every device with side work wait for it."""
     ext = _kernels.loaded_extension()
     if ext is not None:
-        if hasattr(ext, "tap_thread_drain"):
-            ext.tap_thread_drain()
         ext.capture_join()
 
 

@@ -33,12 +33,6 @@ channels_last, 0.95x ResNet-50, 0.99x the GPT; the backward's host time per capt
 layer went from 49-63 to 19-38 microseconds).  :func:`set_enabled`, :func:`using`, or
 ``LIGHTNING_CAFIN_CAPTURE_TAP=0`` (read when first needed, not at import) turns it off.
 
-Off the autograd thread (opt-in: :func:`set_thread`, or ``LIGHTNING_CAFIN_TAP_THREAD=1``): a
-tap then hands its statistics to one worker thread of the extension and returns, and the
-backward waits for them at its end (``csrc/tap_thread.h``).  Meant for host-bound capture
-steps, whose backward spends its extra host time in the taps; off until a benchmark has
-measured it.
-
 Compiled autograd (``torch._dynamo.compiled_autograd``) cannot run C++ hooks: it refuses
 them with ``NotImplementedError: compiled_args nyi``, where it runs Python tensor hooks.
 So while it is enabled (inside its ``_enable`` context), or configured for compiled
@@ -57,11 +51,8 @@ from .streams import EnvSwitch
 from .tap_gate import settings_changed
 
 ENV_VAR = "LIGHTNING_CAFIN_CAPTURE_TAP"
-THREAD_ENV_VAR = "LIGHTNING_CAFIN_TAP_THREAD"
 
 _switch = EnvSwitch(ENV_VAR, default=True)
-_thread = EnvSwitch(THREAD_ENV_VAR, default=False)
-_held: dict[int, bool] = {}  # id(extension) -> the thread setting it was given
 
 
 def set_enabled(on: bool) -> bool:
@@ -77,26 +68,6 @@ def enabled() -> bool:
 def using(on: bool) -> ContextManager[None]:
     """Taps on or off inside a ``with`` block; the previous setting is restored after it."""
     return _switch.using(on)
-
-
-def set_thread(on: bool) -> bool:
-    """Run the taps' statistics on the extension's worker thread (True) or in the taps (False);
-    returns the previous setting.  Reaches the extension at the next captured forward."""
-    return _thread.set(on)
-
-
-def thread_enabled() -> bool:
-    """The thread setting: the last one set, else ``$LIGHTNING_CAFIN_TAP_THREAD``, else off."""
-    return _thread.get()
-
-
-def give_thread_setting(ext: ModuleType) -> None:
-    """Hand ``ext`` the thread setting where it holds another (a captured forward's Python
-    hook calls this before tapping: the C++ hooks repeating its taps read the extension's)."""
-    on = _thread.get()
-    if _held.get(id(ext)) is not on and hasattr(ext, "set_tap_thread"):
-        ext.set_tap_thread(on)
-        _held[id(ext)] = on
 
 
 def available(ext: ModuleType) -> bool:

@@ -467,22 +467,14 @@ def test_tap_read_reads_the_input_in_the_call_and_checks_its_input_op(ext):
                                          ("sometimes", "ValueError")])
 def test_the_setting_comes_from_its_environment_variable(value, want):
     """On unless the variable turns it off (taps are the default: the bench measured them)."""
-    out = setting_in_a_fresh_process("taps.enabled()", taps.ENV_VAR, value)
-    assert out.startswith(want)
-    if want == "ValueError":
-        assert taps.ENV_VAR in out
-
-
-def setting_in_a_fresh_process(expression: str, env_var: str, value: "str | None") -> str:
-    """What ``expression`` (of ``taps``) gives in a new interpreter with ``env_var`` set to
-    ``value`` (None: unset): its value printed, or ``ValueError <message>``."""
     code = ("from lightning_cafin.capture import taps\n"
-            f"try:\n    print({expression})\nexcept ValueError as e:\n    print('ValueError', e)")
-    env = {k: v for k, v in os.environ.items() if k != env_var}
-    env.update({"PYTHONPATH": str(ROOT)} if value is None else {env_var: value, "PYTHONPATH": str(ROOT)})
+            "try:\n    print(taps.enabled())\nexcept ValueError as e:\n    print('ValueError', e)")
+    env = {k: v for k, v in os.environ.items() if k != taps.ENV_VAR}
+    env.update({"PYTHONPATH": str(ROOT)} if value is None else {taps.ENV_VAR: value, "PYTHONPATH": str(ROOT)})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    assert out.stdout.startswith(want), out.stderr
+    if want == "ValueError":
+        assert taps.ENV_VAR in out.stdout
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
