@@ -5,6 +5,7 @@
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "checks.h"
+#include "factor_launch.h"
 #include "record_op.h"
 #include "side_stream.h"
 
@@ -521,28 +522,16 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
     check_vec(s[i], "s", i);
     check_vec(H[i], "H", i);
     check_vec(S[i], "S", i);
-    TORCH_CHECK(kinds[i] == 0 || kinds[i] == 1, kFac, "kinds[", num(i), "] must be 0 or 1, got ", num(kinds[i]));
-    TORCH_CHECK(flags[i] >= 0 && flags[i] < 8, kFac, "flags[", num(i), "] = ", num(flags[i]), " is not a flag set");
+    FactorItem& it = items[i];
+    it = factor_item(kFac, i, H[i], S[i], kinds[i], flags[i], h_div[i], s_div[i], s_scale[i], extra[i]);
     const bool append = (flags[i] & kFactorAppend) != 0;
     const int64_t want_H = kinds[i] == 1 ? 2 : h[i].numel() + (append ? 1 : 0);
     TORCH_CHECK(H[i].numel() == want_H, kFac, "H[", num(i), "] has ", num(H[i].numel()), " elements, expected ", num(want_H));
     TORCH_CHECK(S[i].numel() == s[i].numel(), kFac, "S[", num(i), "] has ", num(S[i].numel()), " elements but s[", num(i),
                 "] has ", num(s[i].numel()));
-    TORCH_CHECK(h_div[i] > 0 && s_div[i] > 0, kFac, "h_div and s_div must be positive (layer ", num(i), ")");
-    FactorItem& it = items[i];
     it.h = h[i].data_ptr<float>();
     it.s = s[i].data_ptr<float>();
-    it.H = H[i].data_ptr<float>();
-    it.S = S[i].data_ptr<float>();
     it.nh = static_cast<int32_t>(h[i].numel());
-    it.ns = static_cast<int32_t>(s[i].numel());
-    it.kind = static_cast<int32_t>(kinds[i]);
-    it.flags = static_cast<int32_t>(flags[i]);
-    // as torch divides a float32 tensor by a Python scalar: times float(1) / float(divisor)
-    it.inv_hn = 1.0f / static_cast<float>(h_div[i]);
-    it.inv_sn = 1.0f / static_cast<float>(s_div[i]);
-    it.inv_sscale = 1.0f / static_cast<float>(s_scale[i]);
-    it.extra = static_cast<float>(extra[i]);
   }
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor nan_flags = at::empty({L}, h[0].options().dtype(at::kInt));

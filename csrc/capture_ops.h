@@ -65,5 +65,4 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                           const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
                           double c_new);
 
-
 }  // namespace lightning_cafin

@@ -40,6 +40,25 @@ bool completed(cudaEvent_t event) {
 
 }  // namespace
 
+FactorItem factor_item(const char* op, int64_t i, const at::Tensor& H, const at::Tensor& S, int64_t kind,
+                       int64_t flags, double h_div, double s_div, double s_scale, double extra) {
+  TORCH_CHECK(kind == 0 || kind == 1, op, "kinds[", num(i), "] must be 0 or 1, got ", num(kind));
+  TORCH_CHECK(flags >= 0 && flags < 8, op, "flags[", num(i), "] = ", num(flags), " is not a flag set");
+  TORCH_CHECK(h_div > 0 && s_div > 0, op, "h_div and s_div must be positive (layer ", num(i), ")");
+  FactorItem it{};
+  it.H = H.data_ptr<float>();
+  it.S = S.data_ptr<float>();
+  it.ns = static_cast<int32_t>(S.numel());
+  it.kind = static_cast<int32_t>(kind);
+  it.flags = static_cast<int32_t>(flags);
+  // as torch divides a float32 tensor by a Python scalar: times float(1) / float(divisor)
+  it.inv_hn = 1.0f / static_cast<float>(h_div);
+  it.inv_sn = 1.0f / static_cast<float>(s_div);
+  it.inv_sscale = 1.0f / static_cast<float>(s_scale);
+  it.extra = static_cast<float>(extra);
+  return it;
+}
+
 FlagSlot::FlagSlot(int64_t n, int device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* host_ptr = nullptr;
@@ -59,9 +78,15 @@ FlagSlot::FlagSlot(int64_t n, int device) {
 }
 
 FlagSlot::~FlagSlot() {
-  // (errors ignored: at interpreter exit the CUDA runtime may already be gone)
-  if (event != nullptr) cudaEventDestroy(event);
+  // The last launch writing here must be done before the memory goes (a report dropped
+  // unread, its optimizer deleted right after a capture step).  Errors ignored: at
+  // interpreter exit the CUDA runtime may already be gone.
+  if (event != nullptr) {
+    cudaEventSynchronize(event);
+    cudaEventDestroy(event);
+  }
   if (host != nullptr) cudaFreeHost(host);
+  (void)cudaGetLastError();
 }
 
 std::vector<int32_t> HostFlags::values() {
@@ -112,30 +137,14 @@ FactorLaunch::FactorLaunch(std::vector<at::Tensor> H, std::vector<at::Tensor> S,
   for (int64_t i = 0; i < L; ++i) {
     check_factor(H_[i], Entry{"H", i});
     check_factor(S_[i], Entry{"S", i});
-    TORCH_CHECK(kinds[i] == 0 || kinds[i] == 1, kKept, "kinds[", num(i), "] must be 0 or 1, got ", num(kinds[i]));
-    TORCH_CHECK(flags[i] >= 0 && flags[i] < 8, kKept, "flags[", num(i), "] = ", num(flags[i]), " is not a flag set");
-    TORCH_CHECK(h_div[i] > 0 && s_div[i] > 0, kKept, "h_div and s_div must be positive (layer ", num(i), ")");
-    const bool append = (flags[i] & kFactorAppend) != 0;
+    // (the sums' pointers and length: filled by run)
+    items_[i] = factor_item(kKept, i, H_[i], S_[i], kinds[i], flags[i], h_div[i], s_div[i], s_scale[i], extra[i]);
     two_cols_[i] = kinds[i] == 1 ? 1 : 0;
-    append_[i] = append ? 1 : 0;
+    append_[i] = (flags[i] & kFactorAppend) != 0 ? 1 : 0;
     TORCH_CHECK(kinds[i] == 0 || H_[i].numel() == 2, kKept, "H[", num(i), "] of a two-column layer has ",
                 num(H_[i].numel()), " elements, expected 2");
     TORCH_CHECK(kinds[i] == 1 || H_[i].numel() > append_[i], kKept, "H[", num(i), "] has ", num(H_[i].numel()),
                 " elements, too few for its flags");
-    FactorItem& it = items_[i];
-    it.h = nullptr;  // (the sums: filled by run)
-    it.s = nullptr;
-    it.H = H_[i].data_ptr<float>();
-    it.S = S_[i].data_ptr<float>();
-    it.nh = 0;
-    it.ns = static_cast<int32_t>(S_[i].numel());
-    it.kind = static_cast<int32_t>(kinds[i]);
-    it.flags = static_cast<int32_t>(flags[i]);
-    // as factor_update_: as torch divides a float32 tensor by a Python scalar
-    it.inv_hn = 1.0f / static_cast<float>(h_div[i]);
-    it.inv_sn = 1.0f / static_cast<float>(s_div[i]);
-    it.inv_sscale = 1.0f / static_cast<float>(s_scale[i]);
-    it.extra = static_cast<float>(extra[i]);
   }
 }
 

@@ -25,6 +25,12 @@ namespace lightning_cafin {
 
 struct TakenSums;
 
+// One layer's factor-update item from its stored factors and the plan's numbers, checked
+// (kind, flags, positive divisors; errors start with `op`), as factor_update_ and
+// FactorLaunch both make it: the sums' pointers h, s and their length nh are the caller's.
+FactorItem factor_item(const char* op, int64_t i, const at::Tensor& H, const at::Tensor& S, int64_t kind,
+                       int64_t flags, double h_div, double s_div, double s_scale, double extra);
+
 // One pinned, device-mapped int32 buffer for a launch's NaN flags and the event recorded
 // after that launch; reused by later launches once read and complete.
 struct FlagSlot {

@@ -14,22 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .test_capture_kernels import ext  # noqa: F401  (the fixture: the extension with the capture kernels)
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the kept factor update needs a CUDA device"),
 ]
 
 DEV = "cuda"
-
-
-@pytest.fixture(scope="module")
-def ext(fused_ok):
-    from lightning_cafin.kernels import load_extension
-
-    mod = load_extension()
-    if not hasattr(mod, "FactorLaunch"):
-        pytest.fail("the extension was built without the kept factor update")
-    return mod
 
 
 def random_layers(L: int, gen: torch.Generator) -> list[dict]:
@@ -66,7 +58,7 @@ def launch_args(layers: list[dict], H: list, S: list) -> tuple[list, ...]:
     return (H, S, [lay["kind"] for lay in layers], [lay["flags"] for lay in layers], *(list(c) for c in columns))
 
 
-def test_a_kept_launch_updates_as_factor_update_does_and_each_run_reads_its_own_flags(ext):
+def test_a_kept_launch_updates_as_factor_update_does_and_each_run_reads_its_own_flags(ext):  # noqa: F811
     gen = torch.Generator(device="cpu").manual_seed(11)
     L = ext.FACTOR_MAX_LAYERS_PER_LAUNCH * 2 + 3  # (several launches per run)
     layers = random_layers(L, gen)
@@ -94,7 +86,7 @@ def test_a_kept_launch_updates_as_factor_update_does_and_each_run_reads_its_own_
         assert flags.values() == flags.values()  # (read again: the host copy)
 
 
-def test_a_kept_launch_refuses_what_does_not_fit_its_layers(ext):
+def test_a_kept_launch_refuses_what_does_not_fit_its_layers(ext):  # noqa: F811
     gen = torch.Generator(device="cpu").manual_seed(3)
     layers = random_layers(4, gen)
     launch = ext.FactorLaunch(*launch_args(layers, [lay["H"] for lay in layers], [lay["S"] for lay in layers]))
@@ -116,7 +108,7 @@ def test_a_kept_launch_refuses_what_does_not_fit_its_layers(ext):
 
 
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # (nothing was captured: the point)
-def test_a_kept_launch_is_not_captured_into_a_cuda_graph(ext):
+def test_a_kept_launch_is_not_captured_into_a_cuda_graph(ext):  # noqa: F811
     """Its NaN flags are read on the host: on a stream being captured it raises, naming why,
     before launching anything."""
     gen = torch.Generator(device="cpu").manual_seed(4)
