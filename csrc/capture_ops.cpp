@@ -8,8 +8,8 @@
 #include "factor_launch.h"
 #include "record_op.h"
 #include "side_stream.h"
+#include "stream_buffers.h"
 
-#include <ATen/cuda/EmptyTensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,8 +17,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -87,53 +85,13 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
   return {size, stride};
 }
 
-// The ops' results and workspaces are made without a dispatched op: each one is host time
-// in a capture step's backward, which a host-bound step pays in full (the profile of a
-// ResNet-18 capture step put three allocations and four views a layer among the host's
-// largest additions).
-
-// n floats on like's device, from the caching allocator on the current stream (at::empty
-// without its dispatch).
-at::Tensor new_f32(int64_t n, const at::Tensor& like) {
-  return at::Tensor(at::detail::empty_cuda({n}, at::kFloat, like.device(), at::MemoryFormat::Contiguous));
-}
-
-// Floats [offset, offset + n) of `buffer` (new_f32's) as a tensor of their own on its storage
-// (narrow without its dispatch: narrow, then slice).  Not an autograd view: no statistic
-// needs a gradient.
-at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
-                                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), buffer.dtype());
-  impl->set_storage_offset(buffer.storage_offset() + offset);
-  impl->set_sizes_contiguous({n});
-  return at::Tensor(std::move(impl));
-}
+// The ops' results and workspaces are made without a dispatched op, and mostly without an
+// allocator call (stream_buffers.h): each one is host time in a capture step's backward,
+// which a host-bound step pays in full (the profile of a ResNet-18 capture step put three
+// allocations and four views a layer among the host's largest additions).
 
 cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
-// n zeroed counter slots for the kernels' last-block reductions (capture_launch.h), from
-// one pool per (device, stream): a launch's last blocks reset the slots they used and
-// launches on one stream run in order, so the same slots serve every launch with no
-// clearing.  Null when the stream has no pool big enough and is being captured into a
-// CUDA graph (a zero fill made now would only run at replay): the caller then reduces
-// each column in one block.
-unsigned* counter_slots(const at::Tensor& like, int64_t n) {
-  constexpr int64_t kMinSlots = 4096;
-  static std::mutex mu;
-  // never destroyed: tensors freed after the CUDA context at exit would crash
-  static auto* pools = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
-  const cudaStream_t stream = current_stream(like);
-  std::lock_guard<std::mutex> lock(mu);
-  at::Tensor& pool = (*pools)[{static_cast<int>(like.device().index()), stream}];
-  if (!pool.defined() || pool.numel() < n) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) return nullptr;
-    // on this stream, so the fill precedes every launch that uses the slots
-    pool = at::zeros({std::max(kMinSlots, 2 * n)}, like.options().dtype(at::kInt));
-  }
-  return reinterpret_cast<unsigned*>(pool.data_ptr<int32_t>());
 }
 
 // A planned statistics op: its checked kernel arguments and grid, the floats of output
@@ -339,16 +297,12 @@ void launch(const ChannelPlan& p, float* out, float* ws, cudaStream_t stream) {
   check_launch(launch_channel_stats(channel_launch(p, out, ws), stream), kChan);
 }
 
-// Parts of one float buffer start at multiples of 64 floats (256 bytes: the kernels'
-// vector loads, and the caching allocator's own alignment).
-int64_t aligned(int64_t n) { return (n + 63) / 64 * 64; }
-
-// One op on its own: the output, and the workspace (freed on return, stream-ordered).
+// One op on its own: the output, and the workspace (the stream's scratch).
 template <typename Plan>
 at::Tensor run_alone(const Plan& p, int64_t n_ws, const at::Tensor& like) {
-  at::Tensor out = new_f32(p.n_out, like);
+  at::Tensor out = result_floats(p.n_out, like);
   if (p.zeros) return out.zero_();
-  at::Tensor ws = n_ws > 0 ? new_f32(n_ws, like) : at::Tensor();
+  at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, like) : at::Tensor();
   launch(p, out.data_ptr<float>(), n_ws > 0 ? ws.data_ptr<float>() : nullptr, current_stream(like));
   return out;
 }
@@ -417,8 +371,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   const bool conv = is_conv_op(input_op, kLayer);
   const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
-  // one ordering for both ops, one allocation for both results and one for both
-  // workspaces (freed on return; the results live until the step reads them): inside the
+  // one ordering for both ops, one slice of the stream's results block for both results
+  // (they live until the step reads them) and its scratch for both workspaces: inside the
   // scope the side stream is current, so everything is planned and runs there
   const SideScope scope(x, side);
   scope.reads(x);
@@ -439,8 +393,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   const int64_t nh = conv ? pc.n_out : px.n_out, wh = conv ? pc.n_ws() : px.n_ws;
   const bool h_zeros = conv ? pc.zeros : px.zeros;
   const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;
-  at::Tensor out = new_f32(off_s + pg.n_out, x);  // [h | s]
-  at::Tensor ws = n_ws > 0 ? new_f32(n_ws, x) : at::Tensor();  // [h's workspace | s's]
+  at::Tensor out = result_floats(off_s + pg.n_out, x);  // [h | s]
+  at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, x) : at::Tensor();  // [h's workspace | s's]
   float* o = out.data_ptr<float>();
   float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;
   const cudaStream_t stream = current_stream(x);
@@ -499,29 +453,16 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
                           const std::vector<double>& s_scale, const std::vector<double>& extra, double c_old,
                           double c_new) {
   LIGHTNING_CAFIN_RECORD_OP("factor_update_");
-  const int64_t L = static_cast<int64_t>(h.size());
-  for (int64_t n : {static_cast<int64_t>(s.size()), static_cast<int64_t>(H.size()), static_cast<int64_t>(S.size()),
-                    static_cast<int64_t>(kinds.size()), static_cast<int64_t>(flags.size()),
-                    static_cast<int64_t>(h_div.size()), static_cast<int64_t>(s_div.size()),
-                    static_cast<int64_t>(s_scale.size()), static_cast<int64_t>(extra.size())})
-    TORCH_CHECK(n == L, kFac, "every list must have one entry per layer (", num(L), "), got one with ", num(n));
-  TORCH_CHECK(L > 0, kFac, "no layers");
+  const int64_t L = factor_layer_count(kFac, {h.size(), s.size(), H.size(), S.size(), kinds.size(), flags.size(),
+                                             h_div.size(), s_div.size(), s_scale.size(), extra.size()});
   check_cuda(h[0], kFac, "h[0]");
   const c10::Device device = h[0].device();
-  auto check_vec = [&](const at::Tensor& t, const char* list, int64_t i) {
-    const Entry name{list, i};
-    check_cuda_on(t, kFac, name, device, "h[0]");
-    check_dtype(t, at::kFloat, kFac, name);
-    check_contiguous_1d(t, kFac, name);
-    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kFac, name_of(name), " has ",
-                num(t.numel()), " elements");
-  };
   std::vector<FactorItem> items(L);
   for (int64_t i = 0; i < L; ++i) {
-    check_vec(h[i], "h", i);
-    check_vec(s[i], "s", i);
-    check_vec(H[i], "H", i);
-    check_vec(S[i], "S", i);
+    check_factor_vector(h[i], kFac, Entry{"h", i}, device, "h[0]");
+    check_factor_vector(s[i], kFac, Entry{"s", i}, device, "h[0]");
+    check_factor_vector(H[i], kFac, Entry{"H", i}, device, "h[0]");
+    check_factor_vector(S[i], kFac, Entry{"S", i}, device, "h[0]");
     FactorItem& it = items[i];
     it = factor_item(kFac, i, H[i], S[i], kinds[i], flags[i], h_div[i], s_div[i], s_scale[i], extra[i]);
     const bool append = (flags[i] & kFactorAppend) != 0;
@@ -569,7 +510,7 @@ std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const 
   a.n_bias = bias_grad.numel();
   a.mean_scale = static_cast<float>(mean_scale);
   const int64_t off_s = aligned(a.T);
-  at::Tensor out = new_f32(off_s + a.n_bias, means);  // [h | s]
+  at::Tensor out = result_floats(off_s + a.n_bias, means);  // [h | s]
   float* o = out.data_ptr<float>();
   check_launch(launch_norm_stats(a, means.scalar_type(), bias_grad.scalar_type(), o, o + off_s, current_stream(means)),
                kNorm);

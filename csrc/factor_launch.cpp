@@ -59,6 +59,25 @@ FactorItem factor_item(const char* op, int64_t i, const at::Tensor& H, const at:
   return it;
 }
 
+int64_t factor_layer_count(const char* op, std::initializer_list<size_t> sizes) {
+  const int64_t L = static_cast<int64_t>(*sizes.begin());
+  for (size_t n : sizes)
+    TORCH_CHECK(static_cast<int64_t>(n) == L, op, "every list must have one entry per layer (", num(L),
+                "), got one with ", num(static_cast<int64_t>(n)));
+  TORCH_CHECK(L > 0, op, "no layers");
+  TORCH_CHECK(L <= std::numeric_limits<int32_t>::max(), op, "too many layers");
+  return L;
+}
+
+void check_factor_vector(const at::Tensor& t, const char* op, const Entry& name, const c10::Device& device,
+                         const char* first) {
+  check_cuda_on(t, op, name, device, first);
+  check_dtype(t, at::kFloat, op, name);
+  check_contiguous_1d(t, op, name);
+  TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), op, name_of(name), " has ",
+              num(t.numel()), " elements");
+}
+
 FlagSlot::FlagSlot(int64_t n, int device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   void* host_ptr = nullptr;
@@ -114,29 +133,16 @@ FactorLaunch::FactorLaunch(std::vector<at::Tensor> H, std::vector<at::Tensor> S,
                            const std::vector<double>& s_div, const std::vector<double>& s_scale,
                            const std::vector<double>& extra)
     : H_(std::move(H)), S_(std::move(S)), device_(c10::kCPU) {
-  const int64_t L = static_cast<int64_t>(H_.size());
-  for (int64_t n : {static_cast<int64_t>(S_.size()), static_cast<int64_t>(kinds.size()),
-                    static_cast<int64_t>(flags.size()), static_cast<int64_t>(h_div.size()),
-                    static_cast<int64_t>(s_div.size()), static_cast<int64_t>(s_scale.size()),
-                    static_cast<int64_t>(extra.size())})
-    TORCH_CHECK(n == L, kKept, "every list must have one entry per layer (", num(L), "), got one with ", num(n));
-  TORCH_CHECK(L > 0, kKept, "no layers");
-  TORCH_CHECK(L <= std::numeric_limits<int32_t>::max(), kKept, "too many layers");
+  const int64_t L = factor_layer_count(kKept, {H_.size(), S_.size(), kinds.size(), flags.size(), h_div.size(),
+                                               s_div.size(), s_scale.size(), extra.size()});
   check_cuda(H_[0], kKept, "H[0]");
   device_ = H_[0].device();
-  auto check_factor = [&](const at::Tensor& t, const Entry& name) {
-    check_cuda_on(t, kKept, name, device_, "H[0]");
-    check_dtype(t, at::kFloat, kKept, name);
-    check_contiguous_1d(t, kKept, name);
-    TORCH_CHECK(t.numel() >= 1 && t.numel() <= std::numeric_limits<int32_t>::max(), kKept, name_of(name), " has ",
-                num(t.numel()), " elements");
-  };
   items_.resize(static_cast<size_t>(L));
   append_.resize(static_cast<size_t>(L));
   two_cols_.resize(static_cast<size_t>(L));
   for (int64_t i = 0; i < L; ++i) {
-    check_factor(H_[i], Entry{"H", i});
-    check_factor(S_[i], Entry{"S", i});
+    check_factor_vector(H_[i], kKept, Entry{"H", i}, device_, "H[0]");
+    check_factor_vector(S_[i], kKept, Entry{"S", i}, device_, "H[0]");
     // (the sums' pointers and length: filled by run)
     items_[i] = factor_item(kKept, i, H_[i], S_[i], kinds[i], flags[i], h_div[i], s_div[i], s_scale[i], extra[i]);
     two_cols_[i] = kinds[i] == 1 ? 1 : 0;

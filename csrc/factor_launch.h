@@ -15,11 +15,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "capture_launch.h"
+#include "checks.h"
 
 namespace lightning_cafin {
 
@@ -30,6 +32,15 @@ struct TakenSums;
 // FactorLaunch both make it: the sums' pointers h, s and their length nh are the caller's.
 FactorItem factor_item(const char* op, int64_t i, const at::Tensor& H, const at::Tensor& S, int64_t kind,
                        int64_t flags, double h_div, double s_div, double s_scale, double extra);
+
+// The layer count L of a factor update's per-layer lists (`sizes`: each list's length),
+// checked: every list has one entry per layer, and 1 <= L <= INT32_MAX.
+int64_t factor_layer_count(const char* op, std::initializer_list<size_t> sizes);
+
+// A factor update's per-layer vector (a sum or a factor, `name`), checked: float32,
+// contiguous, 1-D, of 1 to INT32_MAX elements, on `device` (that of `first`, named in the error).
+void check_factor_vector(const at::Tensor& t, const char* op, const Entry& name, const c10::Device& device,
+                         const char* first);
 
 // One pinned, device-mapped int32 buffer for a launch's NaN flags and the event recorded
 // after that launch; reused by later launches once read and complete.

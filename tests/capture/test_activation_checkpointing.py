@@ -12,6 +12,7 @@ captures nothing (its outputs' gradients never arrive).
 from __future__ import annotations
 
 import copy
+import statistics
 
 import pytest
 import torch
@@ -135,10 +136,13 @@ def test_a_capture_step_under_checkpointing_peaks_where_a_normal_step_does(tappe
 
         for capture in (True, False, True, False):  # warm: state, factors, the allocator's pools
             peak(capture)
-        normal, captured = peak(False), peak(True)
+        # three interleaved pairs, each side's median: a normal step once peaked at 112 MB where
+        # every other step of either kind peaked at 200 (an H100, the allocator's state)
+        pairs = [(peak(False), peak(True)) for _ in range(3)]
     finally:
         taps.set_enabled(previous)
-    assert captured <= 1.05 * normal, (captured / 2**20, normal / 2**20)
+    normal, captured = (statistics.median(side) for side in zip(*pairs))
+    assert captured <= 1.05 * normal, [(n / 2**20, c / 2**20) for n, c in pairs]
 
 
 def test_offloaded_activations_are_read_in_the_forward_too(stand_in):
