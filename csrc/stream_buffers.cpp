@@ -12,13 +12,14 @@
 namespace lightning_cafin {
 namespace {
 
-// A results block: 1 MiB, about four ResNet-18 capture steps' results, a fifth of
-// ResNet-50's.  A result above a quarter of it is allocated on its own (a block left
-// mostly empty would be held for as long as its other slices are).
+// A results block: 1 MiB, a few capture steps' results of ResNet-18 or ResNet-50 (by
+// their layers' sizes, about 55 and 155 thousand floats a step).  A result above a quarter
+// of it is allocated on its own (a block left mostly empty would be held for as long as
+// its other slices are).
 constexpr int64_t kBlockFloats = int64_t{1} << 18;
 constexpr int64_t kOwnBlockAbove = kBlockFloats / 4;
-// The scratch kept between ops: at most 4 MiB a stream (ResNet-18 and ResNet-50's convs
-// need up to about 3 MiB); a larger workspace is allocated for its op alone.
+// The scratch kept between ops: at most 4 MiB a stream (by its plan, ResNet-50's largest
+// convolution workspace is about 3 MiB); a larger workspace is allocated for its op alone.
 constexpr int64_t kScratchKeptFloats = int64_t{1} << 20;
 constexpr int64_t kCounterSlotsLeast = 4096;
 

@@ -3,9 +3,10 @@
 //
 // A capture step's backward makes every captured layer's statistics op allocate its
 // results and its workspace and free the workspace again, and the step frees the results
-// after the factor update: on ResNet-18 about 80 caching-allocator calls a capture step,
-// each a microsecond or two of host time in a step that is host-bound (bf16 +
-// channels_last), and about 200 on ResNet-50.  Here each (device, stream) has
+// after the factor update: on ResNet-18 about 120 caching-allocator calls a capture step
+// (three per convolution or linear layer, one per norm, one per layer at the step), each a
+// microsecond or two of host time in a step that is host-bound (bf16 + channels_last), and
+// about 320 on ResNet-50.  Here each (device, stream) has
 //
 // - a results block, from which each op's results are cut in turn (`result_floats`): one
 //   allocation per block instead of one per op, and no allocator call when the step drops
