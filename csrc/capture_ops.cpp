@@ -90,10 +90,6 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
 // which a host-bound step pays in full (the profile of a ResNet-18 capture step put three
 // allocations and four views a layer among the host's largest additions).
 
-cudaStream_t current_stream(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
 // A planned statistics op: its checked kernel arguments and grid, the floats of output
 // (`n_out`) and workspace (`n_ws`) it needs, launched once its buffers are given, so
 // that layer_stats can give two ops one allocation.  `zeros`: nothing to reduce (an

@@ -42,10 +42,6 @@ StreamBuffers& buffers_of(const at::Tensor& like, cudaStream_t stream) {
   return (*all)[{static_cast<int>(like.device().index()), stream}];
 }
 
-cudaStream_t current_stream_of(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
 // Whether work on `stream` is being captured into a CUDA graph.  An error asking (the
 // legacy stream while another is captured) counts as yes, the per-op allocation being the
 // safe answer, and is cleared: the next launch's check would report it as its own.
@@ -62,6 +58,10 @@ bool capturing(cudaStream_t stream) {
 
 int64_t aligned(int64_t n) { return (n + 63) / 64 * 64; }
 
+cudaStream_t current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
 at::Tensor new_f32(int64_t n, const at::Tensor& like) {
   return at::Tensor(at::detail::empty_cuda({n}, at::kFloat, like.device(), at::MemoryFormat::Contiguous));
 }
@@ -75,7 +75,7 @@ at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
 }
 
 at::Tensor result_floats(int64_t n, const at::Tensor& like) {
-  const cudaStream_t stream = current_stream_of(like);
+  const cudaStream_t stream = current_stream(like);
   if (n > kOwnBlockAbove || capturing(stream)) return new_f32(n, like);
   const int64_t take = aligned(n);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
@@ -91,7 +91,7 @@ at::Tensor result_floats(int64_t n, const at::Tensor& like) {
 }
 
 at::Tensor scratch_floats(int64_t n, const at::Tensor& like) {
-  const cudaStream_t stream = current_stream_of(like);
+  const cudaStream_t stream = current_stream(like);
   if (n > kScratchKeptFloats || capturing(stream)) return new_f32(n, like);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
   StreamBuffers& b = buffers_of(like, stream);
@@ -101,7 +101,7 @@ at::Tensor scratch_floats(int64_t n, const at::Tensor& like) {
 }
 
 unsigned* counter_slots(const at::Tensor& like, int64_t n) {
-  const cudaStream_t stream = current_stream_of(like);
+  const cudaStream_t stream = current_stream(like);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
   at::Tensor& pool = buffers_of(like, stream).counters;
   if (!pool.defined() || pool.numel() < n) {

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 
@@ -31,6 +32,9 @@ namespace lightning_cafin {
 // n rounded up to a multiple of 64: parts of one float buffer start there (256 bytes: the
 // kernels' vector loads, and the caching allocator's own alignment).
 int64_t aligned(int64_t n);
+
+// The current stream of t's device: the one the statistics ops launch on and take memory for.
+cudaStream_t current_stream(const at::Tensor& t);
 
 // n floats on like's device, from the caching allocator on the current stream (at::empty
 // without its dispatch).

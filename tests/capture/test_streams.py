@@ -52,8 +52,9 @@ def test_under_auto_the_stream_in_use_is_the_one_chosen_and_a_new_setting_forget
         assert streams.enabled() is True and streams.setting() == AUTO
         streams.set_enabled(AUTO)
         assert streams.enabled() is False
-        streams.set_enabled(False)
+        assert streams.set_enabled(False) == AUTO  # (set returns the setting it replaced)
         streams.use(True)
         assert streams.enabled() is False  # (a fixed setting is not overridden by a choice)
+        assert streams.set_enabled(True) is False and streams.setting() is True
     finally:
         streams.set_enabled(previous)
