@@ -2,6 +2,7 @@
 // use and kept for the process (an event may be recorded again as soon as a wait on it
 // has been enqueued: the wait captures the record that preceded it).
 #include "side_stream.h"
+#include "stream_buffers.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -48,11 +49,6 @@ DeviceSide& side_for(int device) {
 // on the autograd engine's device threads)
 thread_local std::vector<c10::cuda::CUDAStream> t_replaced;
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
-}
-
 // `waiter` waits for what `done` has enqueued so far.
 void order(cudaEvent_t ev, cudaStream_t done, cudaStream_t waiter) {
   C10_CUDA_CHECK(cudaEventRecord(ev, done));
@@ -63,7 +59,7 @@ void order(cudaEvent_t ev, cudaStream_t done, cudaStream_t waiter) {
 // marked pending; none while the current stream is being captured into a CUDA graph.
 std::optional<c10::cuda::CUDAStream> order_side_after_current(c10::DeviceIndex device) {
   const c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(device);
-  if (capturing(cur.stream())) return std::nullopt;
+  if (stream_capturing(cur.stream())) return std::nullopt;
   std::lock_guard<std::mutex> lock(side_mutex());
   DeviceSide& d = side_for(device);
   order(d.event, cur.stream(), d.stream.stream());
@@ -120,7 +116,7 @@ void side_exit() {
 
 void capture_join() {
   each_pending([](DeviceSide& d, cudaStream_t cur) {
-    if (capturing(cur)) {
+    if (stream_capturing(cur)) {
       // a graph cannot wait on work outside it: finish the side work first
       C10_CUDA_CHECK(cudaStreamSynchronize(d.stream.stream()));
     } else {
@@ -131,7 +127,7 @@ void capture_join() {
 
 void capture_release() {
   each_pending([](DeviceSide& d, cudaStream_t cur) {
-    if (!capturing(cur)) order(d.event, cur, d.stream.stream());
+    if (!stream_capturing(cur)) order(d.event, cur, d.stream.stream());
     d.pending = false;
   });
 }

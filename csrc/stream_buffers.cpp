@@ -42,10 +42,11 @@ StreamBuffers& buffers_of(const at::Tensor& like, cudaStream_t stream) {
   return (*all)[{static_cast<int>(like.device().index()), stream}];
 }
 
-// Whether work on `stream` is being captured into a CUDA graph.  An error asking (the
-// legacy stream while another is captured) counts as yes, the per-op allocation being the
-// safe answer, and is cleared: the next launch's check would report it as its own.
-bool capturing(cudaStream_t stream) {
+}  // namespace
+
+int64_t aligned(int64_t n) { return (n + 63) / 64 * 64; }
+
+bool stream_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -53,10 +54,6 @@ bool capturing(cudaStream_t stream) {
   }
   return status != cudaStreamCaptureStatusNone;
 }
-
-}  // namespace
-
-int64_t aligned(int64_t n) { return (n + 63) / 64 * 64; }
 
 cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
@@ -76,7 +73,7 @@ at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
 
 at::Tensor result_floats(int64_t n, const at::Tensor& like) {
   const cudaStream_t stream = current_stream(like);
-  if (n > kOwnBlockAbove || capturing(stream)) return new_f32(n, like);
+  if (n > kOwnBlockAbove || stream_capturing(stream)) return new_f32(n, like);
   const int64_t take = aligned(n);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
   StreamBuffers& b = buffers_of(like, stream);
@@ -92,7 +89,7 @@ at::Tensor result_floats(int64_t n, const at::Tensor& like) {
 
 at::Tensor scratch_floats(int64_t n, const at::Tensor& like) {
   const cudaStream_t stream = current_stream(like);
-  if (n > kScratchKeptFloats || capturing(stream)) return new_f32(n, like);
+  if (n > kScratchKeptFloats || stream_capturing(stream)) return new_f32(n, like);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
   StreamBuffers& b = buffers_of(like, stream);
   // (a smaller buffer dropped here is freed in stream order, after the launches that used it)
@@ -105,7 +102,7 @@ unsigned* counter_slots(const at::Tensor& like, int64_t n) {
   const std::lock_guard<std::mutex> lock(buffers_mutex());
   at::Tensor& pool = buffers_of(like, stream).counters;
   if (!pool.defined() || pool.numel() < n) {
-    if (capturing(stream)) return nullptr;
+    if (stream_capturing(stream)) return nullptr;
     // on this stream, so the fill precedes every launch that uses the slots
     pool = at::zeros({std::max(kCounterSlotsLeast, 2 * n)}, like.options().dtype(at::kInt));
   }

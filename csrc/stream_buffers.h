@@ -33,6 +33,12 @@ namespace lightning_cafin {
 // kernels' vector loads, and the caching allocator's own alignment).
 int64_t aligned(int64_t n);
 
+// Whether work on `stream` is being captured into a CUDA graph.  An error asking (the
+// legacy stream while another stream is captured) counts as yes, the safe answer for
+// every caller (memory per op, no side stream), and is cleared: the next launch's check
+// would report it as its own.
+bool stream_capturing(cudaStream_t stream);
+
 // The current stream of t's device: the one the statistics ops launch on and take memory for.
 cudaStream_t current_stream(const at::Tensor& t);
 
