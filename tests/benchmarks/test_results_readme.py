@@ -166,28 +166,34 @@ def test_the_matrix_says_which_stream_its_default_rows_were_timed_on(tmp_path):
     assert readme.DEFAULT_IS_AUTO in text and readme.DEFAULT_WAS_CURRENT not in text
 
 
-def test_an_earlier_matrix_run_goes_beside_this_one(tmp_path):
-    """``earlier``: the run before's value and verdict per figure in two more columns (a
-    dash for a figure it did not have), its source and kept-launch line under the table;
-    an absent file adds nothing."""
+def test_a_second_matrix_run_goes_beside_this_one(tmp_path):
+    """``second``: the other run's value and verdict per figure in two more columns (a dash
+    for a figure it did not have), its source and kept-launch line under the table; an
+    absent file adds nothing."""
     now = [{"figure": "sync capture step above normal", "value": 0.9, "unit": "ms", "limit": 1.0, "met": True},
            {"figure": "a new figure", "value": 0.97, "unit": "x", "limit": None, "met": None}]
     then = [{"figure": "sync capture step above normal", "value": 1.4, "unit": "ms", "limit": 1.0, "met": False}]
     current = _bench_file(tmp_path, _toy_matrix(now))
     (tmp_path / "then").mkdir()
-    earlier_matrix = _toy_matrix(then)
-    earlier_matrix["workloads"]["toy"]["sync"] = {"capture_above_normal_ms": spread_around(1.4, 30)}
-    earlier = _bench_file(tmp_path / "then", earlier_matrix)
-    prov = json.loads(earlier.read_text())["provenance"]
-    text = readme.matrix_section(current, earlier)
+    second_matrix = _toy_matrix(then)
+    second_matrix["workloads"]["toy"]["sync"] = {"capture_above_normal_ms": spread_around(1.4, 30)}
+    second = _bench_file(tmp_path / "then", second_matrix)
+    prov = json.loads(second.read_text())["provenance"]
+    text = readme.matrix_section(current, second)
     label = f"{prov['machine'].removeprefix('NVIDIA ')} at `{prov['commit'][:7]}`"
-    assert f"| workload | figure | value | goal | met | earlier: {label} | met then |" in text
+    assert f"| workload | figure | value | goal | met | second run: {label} | met there |" in text
     assert "| toy | sync capture step above normal | +0.90 ms | <= 1 ms | yes | +1.40 ms | **no** |" in text
     assert "| toy | a new figure | 0.970x | - | - | - | - |" in text
-    assert f"The earlier run's columns: `{earlier}`, measured on {prov['machine']}" in text
-    assert readme.KEPT_UNRECORDED in text  # the earlier run's steps took the general path
+    assert f"The second run's columns: `{second}`, measured on {prov['machine']}" in text
+    assert readme.KEPT_UNRECORDED in text  # the second run's steps took the general path
+    assert "Its statistics floor" not in text  # (the second run knew no bandwidth)
+    second_matrix["workloads"]["toy"]["statistics_floor"] = {"inputs": 6 * 10**8, "gradients": 4 * 10**8, "layers": 3,
+                                                             "bandwidth_tbs": 3.35, "floor_ms": 0.2985}
+    text = readme.matrix_section(current, _bench_file(tmp_path / "then", second_matrix))
+    assert "Its statistics floor, at that device's peak bandwidth (3.35 TB/s;" in text
+    assert "`toy` 0.30 ms (1.00 GB; the goal allows 1.00 ms)." in text
     alone = readme.matrix_section(current, tmp_path / "absent.json")
-    assert alone == readme.matrix_section(current) and "| earlier: " not in alone and "earlier run's" not in alone
+    assert alone == readme.matrix_section(current) and "| second run: " not in alone and "second run's" not in alone
 
 
 def test_the_statistics_floor_is_rendered_where_the_run_knew_the_bandwidth(tmp_path):
@@ -198,7 +204,15 @@ def test_the_statistics_floor_is_rendered_where_the_run_knew_the_bandwidth(tmp_p
     assert "least device time" not in readme.matrix_section(_bench_file(tmp_path, matrix))  # a CPU run
     matrix["workloads"]["toy"]["statistics_floor"].update(bandwidth_tbs=4.8, floor_ms=0.2083)
     text = readme.matrix_section(_bench_file(tmp_path, matrix))
-    assert "at this device's peak memory bandwidth (4.80 TB/s;" in text and "`toy` 0.21 ms (1.00 GB)." in text
+    assert "at this device's peak memory bandwidth (4.80 TB/s;" in text
+    assert "`toy` 0.21 ms (1.00 GB; the goal allows 1.00 ms)." in text  # the goal's ms above a normal step
+    # a ratio's goal allows its share of the run's normal step; a run without that step says nothing
+    matrix["workloads"]["toy"]["goals"] = [{"figure": "sync capture step vs normal", "value": 1.06, "unit": "x",
+                                             "limit": 1.05, "met": False}]
+    matrix["workloads"]["toy"]["sync"] = {"normal_ms": {"median": 30.0}}
+    assert "`toy` 0.21 ms (1.00 GB; the goal allows 1.50 ms)." in readme.matrix_section(_bench_file(tmp_path, matrix))
+    del matrix["workloads"]["toy"]["sync"]
+    assert "`toy` 0.21 ms (1.00 GB)." in readme.matrix_section(_bench_file(tmp_path, matrix))
 
 
 def test_a_bench_file_without_a_matrix_has_no_matrix_section(tmp_path):
