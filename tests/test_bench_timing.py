@@ -39,6 +39,8 @@ def test_a_call_broken_down_counts_each_op_per_call_and_its_time():
     ("void lightning_cafin::(anonymous namespace)::sumsq_and_rows_kernel<c10::BFloat16>(lightning_cafin::SumsqAndRows)",
      "sumsq_and_rows_kernel<BFloat16>"),
     ("void lightning_cafin::(anonymous namespace)::window_sums_hwc_kernel<3>(float const*, int)", "window_sums_hwc_kernel<3>"),
+    ("void lightning_cafin::(anonymous namespace)::channel_rows_kernel<c10::BFloat16, (lightning_cafin::RowsRead)0, "
+     "512, 4>(lightning_cafin::RowsPair)", "channel_rows_kernel<BFloat16, (RowsRead)0, 512, 4>"),  # (a cast inside)
     ("nvjet_sm90_tst_64x128_64x8_2x1_v_bz_splitK_NTN", "nvjet_sm90_tst_64x128_64x8_2x1_v_bz_splitK_NTN"),
     ("Memset (Device)", "Memset"),
 ])

@@ -223,10 +223,17 @@ def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.de
 def kernel_name(name: str) -> str:
     """A profiler's kernel name without its signature, ``void`` and namespaces (its template
     arguments kept: ``window_sums_hwc_kernel<3>`` is not ``window_sums_hwc_kernel<1>``)."""
-    s = name.replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].strip()
+    s = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    depth = 0
+    for i, ch in enumerate(s):  # the signature: the first "(" outside the template arguments
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "(" and depth == 0:
+            s = s[:i]
+            break
+    s = s.strip()
     lt = s.find("<")
     head, tail = (s, "") if lt < 0 else (s[:lt], s[lt:])
-    return head.rsplit("::", 1)[-1] + tail.replace("c10::", "")
+    return head.rsplit("::", 1)[-1] + tail.replace("c10::", "").replace("lightning_cafin::", "")
 
 
 def us_per_kernel(fn: Callable[[], object], device: torch.device, reps: int) -> dict[str, tuple[float, float]]:
