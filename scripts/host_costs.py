@@ -21,9 +21,12 @@ This times without a profiler:
   interleaved ``--steps`` times each, the median of the paired differences per captured
   layer, on the GPT's 12 blocks at width 64 (74 captured layers) under bf16 autocast and
   in float32, and ResNet-18 at width 8 (41 layers) in bf16 + channels_last and float32:
-  the workloads' layers, each so small that the device waits for the host throughout.
+  the workloads' layers, each so small that the device waits for the host throughout.  The
+  statistics run on the current stream (``capture_stream=False``, what ``"auto"`` chooses
+  where the host is the bottleneck): ``"auto"``'s trials would run some of the timed
+  capture steps on the side stream, whose ordering costs the host more per layer.
 
-On the H200 at 45e49de, a first form of this script gave: a one-element torch op 7.1 us,
+On the H200 at 45e49de, a first form of this script (``capture_stream="auto"``) gave: a one-element torch op 7.1 us,
 ``channel_stats`` 5.9, ``layer_stats`` 7.7 (linear) and 11.2 (3 x 3 convolution),
 ``norm_stats`` 5.9; a capture step's host above a normal one per layer (forward, backward,
 step): the GPT 9.5 / 12.7 / 5.7 us in bf16 and 4.4 / 12.2 / 4.2 in float32, ResNet-18
@@ -42,7 +45,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_cafin.bench.matrix import NEVER, adafisher
+from lightning_cafin.bench.matrix import NEVER, Trainer
 from lightning_cafin.bench.timing import sync
 from lightning_cafin.bench.workloads import Workload, workloads
 from lightning_cafin.kernels.loader import extension_or_none
@@ -116,7 +119,9 @@ def layer_costs(device: torch.device, steps: int) -> str:
     lines = [f"a capture step above a normal one, host us per captured layer (forward, backward, step; "
              f"median of {steps} interleaved pairs):"]
     for name, wl in layer_models(device).items():
-        trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER)
+        model = wl.model(device)
+        opt = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=NEVER, capture_stream=False)
+        trainer = Trainer(wl, model, opt, wl.batch(device), device)
         layers = len(trainer.opt.binding.captures)
         for _ in range(3):
             trainer.capture_step()
