@@ -33,6 +33,12 @@ are left out, as in the floor.
 (above torch's read where there is no apart) kernel by kernel (``us_per_kernel``), on the
 layer's real tensors and on fresh random ones of the same shape and strides: whether a slow
 call is one kernel, and whether it follows the values or the layout.
+
+These calls run out of the step, and a call's time here can differ from its time in one:
+on the H200 at 45e49de this pass gave ResNet-50's layer3.x.conv2 calls 80-82 us, their
+breakdown 27 us, and a real capture step 30 us for the same two kernels
+(``docs/results/statistics-bandwidth-h200-45e49de.txt``).  ``step_kernels.py`` times the
+kernels in real capture steps.
 """
 
 from __future__ import annotations
