@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_cafin.bench.matrix import NEVER, Trainer
 from lightning_cafin.bench.timing import sync
-from lightning_cafin.bench.workloads import Workload, workloads
+from lightning_cafin.bench.workloads import Workload, script_arguments, workloads
 from lightning_cafin.kernels.loader import extension_or_none
 from lightning_cafin.models.gpt import GPT
 
@@ -136,21 +136,13 @@ def layer_costs(device: torch.device, steps: int) -> str:
     return "\n".join(lines)
 
 
+#: the script's counts: flag -> (default, help)
+COUNTS = {"calls": (200, "calls per round of each call alone"), "rounds": (9, "rounds of each call alone"),
+          "steps": (40, "normal and capture steps of each model")}
+
+
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run: the layers only)")
-    ap.add_argument("--calls", type=int, default=200, help="calls per round of each call alone (default 200)")
-    ap.add_argument("--rounds", type=int, default=9, help="rounds of each call alone (default 9)")
-    ap.add_argument("--steps", type=int, default=40, help="normal and capture steps of each model (default 40)")
-    args = ap.parse_args(argv)
-    for flag in ("calls", "rounds", "steps"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.device not in ("cuda", "cpu"):
-        raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu for a smoke run)")
-    return args
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv, per_workload=False)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

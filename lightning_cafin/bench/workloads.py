@@ -106,23 +106,26 @@ def workloads(device: torch.device, quick: bool) -> dict[str, Workload]:
 
 def script_arguments(description: str, counts: dict[str, tuple],
                      argv: Optional[Sequence[str]] = None,
-                     switches: Optional[dict[str, str]] = None) -> argparse.Namespace:
+                     switches: Optional[dict[str, str]] = None, per_workload: bool = True) -> argparse.Namespace:
     """The arguments of a script that measures the matrix's workloads one by one
     (``scripts/statistics_bandwidth.py``, ``scripts/step_bandwidth.py``): ``--workload`` (a
     name or all), ``--device`` (cuda, or cpu for a smoke run), ``--quick`` (the tiny
     workloads), the script's counts (``counts``: flag -> (default, help) for a count of at
     least 1, or (default, help, least)), checked, each error naming its flag, and its on/off
-    switches (``switches``: flag -> help, off unless given)."""
+    switches (``switches``: flag -> help, off unless given).  ``per_workload`` False: a
+    script that picks its own models (``scripts/host_costs.py``), without ``--workload`` and
+    ``--quick``."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
+    if per_workload:
+        ap.add_argument("--workload", default="all", help=f"one of {', '.join(NAMES)} or all (default)")
+        ap.add_argument("--quick", action="store_true", help="the tiny workloads")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
-    ap.add_argument("--quick", action="store_true", help="the tiny workloads")
     for flag, (default, text, *_) in counts.items():
         ap.add_argument(f"--{flag}", type=int, default=default, help=f"{text} (default {default})")
     for flag, text in (switches or {}).items():
         ap.add_argument(f"--{flag}", action="store_true", help=text)
     args = ap.parse_args(argv)
-    if args.workload != "all" and args.workload not in NAMES:
+    if per_workload and args.workload != "all" and args.workload not in NAMES:
         raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
     for flag, (_, _, *least) in counts.items():
         lowest = least[0] if least else 1
@@ -131,7 +134,8 @@ def script_arguments(description: str, counts: dict[str, tuple],
     if args.device not in ("cuda", "cpu"):
         raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu --quick for a smoke run)")
+        raise SystemExit("--device cuda: no CUDA device here (pass --device cpu"
+                         + (" --quick" if per_workload else "") + " for a smoke run)")
     return args
 
 
