@@ -39,14 +39,13 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_cafin.bench.matrix import NEVER, Trainer
-from lightning_cafin.bench.timing import sync
+from lightning_cafin.bench.host_speed import per_call_us
+from lightning_cafin.bench.matrix import NEVER, adafisher
 from lightning_cafin.bench.workloads import Workload, script_arguments, workloads
 from lightning_cafin.kernels.loader import extension_or_none
 from lightning_cafin.models.gpt import GPT
@@ -55,17 +54,16 @@ from lightning_cafin.models.gpt import GPT
 def per_call(fn: Callable[[Tensor], object], make: Callable[[], Tensor], calls: int, rounds: int,
              device: torch.device) -> float:
     """Median host microseconds of ``fn(out)``, each call on a fresh ``make()`` made before the clock."""
-    samples = []
-    for _ in range(rounds):
-        outs = [make() for _ in range(calls)]
-        sync(device)
-        start = time.perf_counter()
+    outs: list[Tensor] = []
+
+    def prepare() -> None:
+        outs[:] = [make() for _ in range(calls)]
+
+    def block() -> None:
         for out in outs:
             fn(out)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        del outs
-    sync(device)
-    return statistics.median(samples)
+
+    return per_call_us(block, device, calls, rounds, prepare)["median"]
 
 
 def call_costs(device: torch.device, calls: int, rounds: int) -> str:
@@ -119,9 +117,7 @@ def layer_costs(device: torch.device, steps: int) -> str:
     lines = [f"a capture step above a normal one, host us per captured layer (forward, backward, step; "
              f"median of {steps} interleaved pairs):"]
     for name, wl in layer_models(device).items():
-        model = wl.model(device)
-        opt = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=NEVER, capture_stream=False)
-        trainer = Trainer(wl, model, opt, wl.batch(device), device)
+        trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream=False)
         layers = len(trainer.opt.binding.captures)
         for _ in range(3):
             trainer.capture_step()

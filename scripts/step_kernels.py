@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_cafin.bench.matrix import NEVER, Trainer
+from lightning_cafin.bench.matrix import NEVER, adafisher
 from lightning_cafin.bench.timing import kernel_name
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 
@@ -46,9 +46,7 @@ COUNTS = {"steps": (3, "profiled capture steps"), "warmup": (3, "capture and nor
 def step_kernels(wl: Workload, device: torch.device, steps: int, warmup: int, side: bool) -> list[list[tuple[str, float]]]:
     """Per profiled capture step, the package's kernels (their names without signature) and
     their microseconds, in launch order (on a CPU: its host operations)."""
-    model = wl.model(device)
-    opt = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=NEVER, capture_stream=side)
-    trainer = Trainer(wl, model, opt, wl.batch(device), device)
+    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream=side)
     on_gpu = device.type == "cuda"
     for _ in range(warmup):
         trainer.capture_step()
@@ -56,7 +54,7 @@ def step_kernels(wl: Workload, device: torch.device, steps: int, warmup: int, si
     kind = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
     # (a kernel's name starts with its signature's return type; on a CPU the statistics are
     # torch ops, so the optimizer's own ranges stand for them)
-    ours = ("void lightning_cafin::", "lightning_cafin::") if on_gpu else ("lightning_cafin::", type(opt).__name__ + ".")
+    ours = ("void lightning_cafin::", "lightning_cafin::") if on_gpu else ("lightning_cafin::", type(trainer.opt).__name__ + ".")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     runs = []
     for _ in range(steps):

@@ -4,6 +4,7 @@ import json
 import math
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -369,6 +370,28 @@ def test_host_speed_is_measured_on_a_gpu_only_and_printed_with_its_spread():
     text = host_speed_text({"op_us": spread([20.0, 21.0, 22.0, 23.0, 24.0]), "alloc_us": spread([3.0] * 5), "calls": 200})
     assert text.startswith("host: a one-element torch op 22.00 [20.40, 23.60] us, ")
     assert "a 1 KB allocation and its free 3.00 [3.00, 3.00] us (per call, blocks of 200)" in text
+
+
+def test_a_per_call_timing_prepares_each_block_untimed_before_it_runs():
+    from lightning_cafin.bench.host_speed import per_call_us
+
+    events: list[str] = []
+    prepared: list[int] = []
+
+    def prepare() -> None:
+        events.append("prepare")
+        time.sleep(0.02)  # (untimed: were it timed, a call would take 2 ms)
+        prepared.append(len(prepared))
+
+    def block() -> None:
+        events.append(f"block after {prepared[-1]}")
+        for _ in range(10):
+            pass
+
+    timed = per_call_us(block, torch.device("cpu"), calls=10, blocks=4, prepare=prepare)
+    # the warm block, then four timed ones, each right after its own preparation
+    assert events == [e for i in range(5) for e in ("prepare", f"block after {i}")]
+    assert timed["n"] == 4 and timed["median"] < 1000.0  # microseconds per call, the sleeps left out
 
 
 @pytest.mark.cuda

@@ -27,10 +27,18 @@ from .timing import spread, spread_text, sync
 CALLS, BLOCKS = 200, 9
 
 
-def _per_call_us(fn: Callable[[], None], device: torch.device, calls: int, blocks: int) -> dict[str, Any]:
+def per_call_us(fn: Callable[[], None], device: torch.device, calls: int, blocks: int,
+                prepare: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+    """Host microseconds per call of ``fn`` (one block: ``calls`` calls), a :func:`spread` over
+    ``blocks`` blocks, the device synchronised before each; ``prepare``, where given, runs
+    before each block and before that sync, untimed (e.g. making each call's own input)."""
+    if prepare is not None:
+        prepare()
     fn()  # warm: the kernel loaded, the allocator's block cached
     per_call = []
     for _ in range(blocks):
+        if prepare is not None:
+            prepare()
         sync(device)
         t0 = time.perf_counter()
         fn()
@@ -53,8 +61,8 @@ def host_speed(device: torch.device, calls: int = CALLS, blocks: int = BLOCKS) -
         for _ in range(calls):
             torch.empty(256, device=device)
 
-    return {"op_us": _per_call_us(ops, device, calls, blocks),
-            "alloc_us": _per_call_us(allocations, device, calls, blocks), "calls": calls}
+    return {"op_us": per_call_us(ops, device, calls, blocks),
+            "alloc_us": per_call_us(allocations, device, calls, blocks), "calls": calls}
 
 
 def host_speed_text(speed: dict[str, Any]) -> str:

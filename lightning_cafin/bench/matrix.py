@@ -149,9 +149,12 @@ class Trainer:
             self.opt.step()
 
 
-def adafisher(wl: Workload, device: torch.device, batch, TCov: int) -> Trainer:
+def adafisher(wl: Workload, device: torch.device, batch, TCov: int, capture_stream: StreamOption = None) -> Trainer:
+    """A fresh model and its AdaFisher(W) as the bench trains it (``capture_stream``: the
+    optimizer's, its default where None)."""
     model = wl.model(device)
-    return Trainer(wl, model, wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=TCov), batch, device)
+    opt = wl.ada_cls(model, lr=wl.lr, weight_decay=wl.weight_decay, TCov=TCov, capture_stream=capture_stream)
+    return Trainer(wl, model, opt, batch, device)
 
 
 def adam(wl: Workload, device: torch.device, batch) -> Trainer:
