@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning_cafin.bench.floor import capture_allowance_ms
 from lightning_cafin.bench.goals import Goal, format_value
 from lightning_cafin.bench.matrix import SIDE_BLOCKS, default_was_current_stream
 from lightning_cafin.bench.timing import spread_text
@@ -255,18 +256,6 @@ def matrix_section(path: Path, second: Optional[Path] = None) -> Optional[str]:
     return "\n".join(lines)
 
 
-def _capture_allowance_ms(w: dict) -> Optional[float]:
-    """What a workload's capture-step goal allows above its normal step, in ms (a ratio's
-    share of the run's step-synchronous normal step), or None without such a goal."""
-    for g in w.get("goals", []):
-        if g["figure"].startswith("sync capture step") and "stream" not in g["figure"] and g.get("limit") is not None:
-            if g["unit"] == "ms":
-                return float(g["limit"])
-            normal = (w.get("sync") or {}).get("normal_ms", {}).get("median")
-            return None if normal is None else (g["limit"] - 1.0) * normal
-    return None
-
-
 def _floors_text(matrix: dict) -> Optional[str]:
     """"<bandwidth> TB/s; `floor.py`): <each workload's floor>", or None for a run that
     knew no bandwidth (a CPU run)."""
@@ -282,7 +271,7 @@ def _floors_text(matrix: dict) -> Optional[str]:
 def _floor_text(name: str, floor: dict, w: dict) -> str:
     """One workload's statistics floor, beside what its capture-step goal allows."""
     text = f"`{name}` {floor['floor_ms']:.2f} ms ({(floor['inputs'] + floor['gradients']) / 1e9:.2f} GB"
-    allowed = _capture_allowance_ms(w)
+    allowed = capture_allowance_ms(w)
     return text + (")" if allowed is None else f"; the goal allows {allowed:.2f} ms)")
 
 

@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch
 
-from lightning_cafin.bench.floor import floor_ms, statistics_bytes
-from lightning_cafin.bench.matrix import CAPTURE_LIMIT_MS, CAPTURE_LIMIT_RATIO
+from lightning_cafin.bench.floor import capture_allowance_ms, floor_ms, statistics_bytes
+from lightning_cafin.bench.matrix import CAPTURE_LIMIT_MS
 from lightning_cafin.bench.workloads import NAMES, workloads
 
 DEFAULT_BANDWIDTHS = {"H100": 3.35, "H200": 4.8}
@@ -42,12 +42,11 @@ DEFAULT_BANDWIDTHS = {"H100": 3.35, "H200": 4.8}
 
 def allowance_ms(matrix: Optional[dict], name: str, wl) -> Optional[float]:
     """What the goal lets a capture step add above a normal step, in ms: 1 ms for the
-    ResNet-18s, 5% of the matrix run's step-synchronous normal step for the others."""
-    if wl.capture_goal == "ms":
-        return CAPTURE_LIMIT_MS
-    if matrix is None or name not in matrix["workloads"]:
-        return None
-    return (CAPTURE_LIMIT_RATIO - 1) * matrix["workloads"][name]["sync"]["normal_ms"]["median"]
+    ResNet-18s, 5% of the matrix run's step-synchronous normal step for the others (where
+    a matrix run is given, its own goal rows say which: ``floor.capture_allowance_ms``)."""
+    if matrix is not None and name in matrix["workloads"]:
+        return capture_allowance_ms(matrix["workloads"][name])
+    return CAPTURE_LIMIT_MS if wl.capture_goal == "ms" else None
 
 
 def parse_bandwidths(items: Optional[list[str]]) -> dict[str, float]:

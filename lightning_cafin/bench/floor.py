@@ -104,3 +104,16 @@ def statistics_floor(wl: Workload, device: torch.device) -> dict[str, Any]:
     bandwidth = peak_bandwidth(device)
     return {**asdict(read), "bandwidth_tbs": None if bandwidth is None else bandwidth / 1e12,
             "floor_ms": None if bandwidth is None else floor_ms(read, bandwidth)}
+
+
+def capture_allowance_ms(w: dict[str, Any]) -> Optional[float]:
+    """What a workload's capture-step goal allows above its normal step, in ms, from its record
+    in a matrix run (``w``: its goals and step-synchronous figures): the goal's limit in ms,
+    or a ratio's share of the run's normal step; None without such a goal (or normal step)."""
+    for g in w.get("goals", []):
+        if g["figure"].startswith("sync capture step") and "stream" not in g["figure"] and g.get("limit") is not None:
+            if g["unit"] == "ms":
+                return float(g["limit"])
+            normal = (w.get("sync") or {}).get("normal_ms", {}).get("median")
+            return None if normal is None else (g["limit"] - 1.0) * normal
+    return None
