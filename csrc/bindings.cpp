@@ -104,6 +104,18 @@ taken only where each sink holds exactly one whose h and s are float32, contiguo
 nh[i] and ns[i] elements on like[i]'s device and counted hn[i] and sn[i]; otherwise None,
 and nothing is taken.)doc",
         py::arg("sinks"), py::arg("like"), py::arg("nh"), py::arg("hn"), py::arg("ns"), py::arg("sn"));
+  m.def(
+      "autocast_copy",
+      [](const at::Tensor& x, const at::Tensor& output) -> std::optional<at::Tensor> {
+        at::Tensor copy = lightning_cafin::autocast_copy(x, output);
+        if (!copy.defined()) return std::nullopt;
+        return copy;
+      },
+      R"doc(The copy of x that a Linear-like layer computed on under autocast (the output's dtype,
+2-D: rows by x's last dim), as autograd saved it for the weight's gradient, where the graph
+shows it is x cast; None elsewhere (saved-tensor hooks, a frozen weight, an x that is a leaf or
+needs no gradient, other ops).  TapPlan.tap_read taps it in x's place.)doc",
+      py::arg("x"), py::arg("output"));
   py::class_<lightning_cafin::SinkSet, std::shared_ptr<lightning_cafin::SinkSet>>(
       m, "SinkSet",
       R"doc(take_single's arguments (sinks, like, nh, hn, ns, sn), checked and converted once, for a
@@ -151,6 +163,10 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
           "norm_taps", [](const lightning_cafin::TapPlan& self) { return self.norm_taps.load(); },
           "Taps registered on a norm's backward node (mean_scale > 0): statistics from its saved means and "
           "its bias gradient, no pass over the activation or the gradient.")
+      .def_property_readonly(
+          "cast_taps", [](const lightning_cafin::TapPlan& self) { return self.cast_taps.load(); },
+          "tap_read calls that found the layer's autocast copy of x saved for its backward: the copy is read "
+          "there with the gradient, nothing in the forward.")
       .def("tap",
            [](std::shared_ptr<lightning_cafin::TapPlan> self, const at::Tensor& x, const at::Tensor& output,
               bool side) { lightning_cafin::tap(self, x, output, side); },
@@ -176,7 +192,10 @@ for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
               bool side) { lightning_cafin::tap_read(self, x, output, side); },
            R"doc(As tap_gradient with (h, hn) read from x now: h = layer_stats' input sums of x
 (input_op, input_div) computed in this call on the current stream (the ATen reference for a
-CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.)doc",
+CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.  Where a
+Linear-like layer computed on an autocast copy of a CUDA x that autograd saved for its backward,
+that copy is tapped as plan.tap would tap x instead (read with the gradient in the backward;
+counted by cast_taps).)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false);
   py::class_<lightning_cafin::ForwardTapHook, std::shared_ptr<lightning_cafin::ForwardTapHook>>(
       m, "ForwardTapHook",

@@ -5,6 +5,7 @@
 #include "checks.h"
 #include "record_op.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/generated/Functions.h>
@@ -247,6 +248,51 @@ TapPlan::TapPlan(std::shared_ptr<TapSink> sink_, std::vector<int64_t> input_op_,
   TORCH_CHECK(mean_scale >= 0.0, "TapPlan: mean_scale must be >= 0 (0: not a norm's plan), got ", mean_scale);
 }
 
+// (see capture_tap.h)
+at::Tensor autocast_copy(const at::Tensor& x, const at::Tensor& output) {
+  namespace gen = torch::autograd::generated;
+  using torch::autograd::Node;
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value() || !x.requires_grad() || x.grad_fn() == nullptr) return {};
+  const Node* const source = x.grad_fn().get();
+  Node* top = output.grad_fn().get();
+  if (top == nullptr) return {};
+  auto is_view = [](const Node* n) {
+    return dynamic_cast<const gen::ViewBackward0*>(n) != nullptr ||
+           dynamic_cast<const gen::UnsafeViewBackward0*>(n) != nullptr ||
+           dynamic_cast<const gen::ReshapeAliasBackward0*>(n) != nullptr;
+  };
+  if (is_view(top)) {
+    if (top->num_outputs() < 1 || !top->next_edge(0).is_valid()) return {};
+    top = top->next_edge(0).function.get();
+  }
+  at::Tensor saved;
+  const torch::autograd::Edge* edge = nullptr;
+  if (auto* f = dynamic_cast<gen::AddmmBackward0*>(top)) {
+    saved = f->mat1_.unpack();
+    if (top->num_outputs() >= 2) edge = &top->next_edge(1);
+  } else if (auto* f = dynamic_cast<gen::MmBackward0*>(top)) {
+    saved = f->self_.unpack();
+    if (top->num_outputs() >= 1) edge = &top->next_edge(0);
+  }
+  if (!saved.defined() || edge == nullptr || saved.dim() != 2 || saved.scalar_type() != output.scalar_type() ||
+      saved.numel() != x.numel() || x.dim() < 1 || saved.size(1) != x.size(-1)) {
+    return {};
+  }
+  int casts = 0;
+  for (int step = 0; step < 4 && edge->is_valid(); ++step) {
+    const Node* n = edge->function.get();
+    if (n == source) return casts == 1 && edge->input_nr == x.output_nr() ? saved : at::Tensor();
+    if (dynamic_cast<const gen::ToCopyBackward0*>(n) != nullptr) {
+      ++casts;
+    } else if (!is_view(n)) {
+      return {};
+    }
+    if (n->num_outputs() < 1) return {};
+    edge = &n->next_edge(0);
+  }
+  return {};
+}
+
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side) {
   LIGHTNING_CAFIN_RECORD_OP("tap");
   check_tap_args(plan, output, kTap);
@@ -272,6 +318,16 @@ void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, c
   LIGHTNING_CAFIN_RECORD_OP("tap_read");
   check_tap_args(plan, output, kReadTap);
   TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
+  // a Linear-like layer on an autocast copy of x: the copy, which autograd holds until the
+  // layer's backward and nothing can change, is read with the gradient there, in one launch
+  if (plan->input_op.size() == 3 && plan->input_op[0] == 0 && plan->input_op[1] == -1) {
+    at::Tensor copy = autocast_copy(x, output);
+    if (copy.defined()) {
+      on_gradient(output, std::make_unique<LayerTap>(plan, std::move(copy), side));
+      plan->cast_taps.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
   // x as given, not a detached copy (an op dispatched per layer): input_stats records nothing
   on_gradient(output, std::make_unique<GradientTap>(plan, input_stats(x, plan->input_op, plan->input_div), plan->hn, side));
 }

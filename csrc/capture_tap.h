@@ -106,12 +106,27 @@ struct TapPlan {
   bool grad_square;
   // > 0: a norm's plan, h from its saved means * mean_scale (see above); 0: none
   double mean_scale;
-  // taps registered on a norm's backward node (for tests and diagnostics)
-  mutable std::atomic<int64_t> norm_taps{0};
+  // taps registered on a norm's backward node, and tap_read calls that found the layer's
+  // autocast copy of x (for tests and diagnostics)
+  mutable std::atomic<int64_t> norm_taps{0}, cast_taps{0};
 
   TapPlan(std::shared_ptr<TapSink> sink, std::vector<int64_t> input_op, double input_div, int64_t grad_dim,
           bool grad_square, double grad_div, double hn, double sn, double mean_scale = 0.0);
 };
+
+// The copy of x that a Linear-like layer computed on under autocast, as autograd saved it
+// for the weight's gradient, as a 2-D (rows, x's last dim) tensor of the output's dtype,
+// where the graph shows it is x cast; undefined elsewhere.  The output must come from the
+// matrix product itself (AddmmBackward0, MmBackward0) or a view of it (a 3-D input's
+// flattening: ViewBackward0, UnsafeViewBackward0), whose saved left operand reaches x's own
+// graph node through views and exactly one cast (ToCopyBackward0), with x's element count
+// and last dim.  Views and a cast keep the elements' row-major order, so the copy's
+// per-column sums over its rows are the per-feature sums over x's leading dims of the
+// values the layer multiplied (x's, rounded to the output's dtype).  Nothing is found under
+// saved-tensor hooks (activation checkpointing, offloading: the saved copy is theirs), for
+// a frozen weight (nothing saved), or for an x without a graph node of its own (a leaf or
+// a tensor that needs no gradient: the cast cannot be told from the graph).
+at::Tensor autocast_copy(const at::Tensor& x, const at::Tensor& output);
 
 // `x` is held (itself: a module returning its input, detached) until the hook fires.
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
@@ -120,6 +135,14 @@ void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& 
 // As tap_gradient with h = input_stats(x, input_op, input_div) computed now, on the current
 // stream (hn: the plan's): for an x that may change or be gone by the backward (a layer
 // computing on a cast copy of it, a frozen weight, saved-tensor hooks), read in one call.
+// Except where a Linear-like layer (input_op (0, -1, square)) computed on an autocast copy
+// of x that autograd saved for the weight's gradient (autocast_copy, above):
+// then the ordinary tap holds that copy (autocast_copy) instead of x, and the backward reads
+// it with the gradient in one layer_stats call (beside the backward on the side stream where
+// `side`).
+// The copy cannot change before that (no one else holds it), has half or less of x's bytes,
+// is what the layer multiplied, and costs the forward no launch: under bf16 autocast a
+// transformer's LayerNorm outputs (float32) were read in a forward that is host-bound.
 void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 
 }  // namespace lightning_cafin

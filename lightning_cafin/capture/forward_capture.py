@@ -23,7 +23,13 @@ other forward (:func:`_repeat_next_time`, ``tap_gate.py``).  With a
 frozen weight autograd need not keep the input, a layer computing on a cast copy
 (autocast) has autograd keep the copy instead, and under a saved-tensor hook (activation
 checkpointing, CPU offload: ``saved_tensors.py``) autograd drops or moves it, so then the
-input's statistics are read in the forward.
+input's statistics are read in the forward.  Except where a Linear-like layer computed on
+an autocast copy that autograd saved for its weight's gradient and the graph shows to be
+the input cast (the extension's ``autocast_copy``): that copy is held in the input's
+place and read with the gradient in the backward.  Nothing can change it before then, it
+has half the bytes of a float32 input, it is what the layer multiplied (its statistics
+differ from the input's by the cast's rounding), and the forward, host-bound under bf16
+autocast, makes no launch for it: a transformer's Linears after its float32 LayerNorms.
 
 A norm module that applies an activation itself (timm's ``GroupNormAct``; ``layers.py``,
 ``gradient_tap``) is hooked twice: a forward pre-hook on the submodule that receives the
@@ -124,18 +130,29 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
     if not isinstance(x, Tensor):
         return
     rule = capture.rule
-    if where == saved_tensors.NONE and _input_saved_for_backward(module) and not _computed_on_a_cast(x, output):
+    saved = where == saved_tensors.NONE and _input_saved_for_backward(module)
+    if saved and not _computed_on_a_cast(x, output):
         if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output):
             return  # (the tap holds x)
-        x = x.detach()
+        held = [x.detach()]
+    else:
+        # Frozen weight (or autograd computing on a cast copy, or a saved-tensor hook such
+        # as activation checkpointing deciding where saved tensors go): x may be modified in
+        # place before the backward, or be gone by then.  The tap reads it now, or for a
+        # Linear-like layer on an autocast copy that autograd saved, holds that copy instead
+        # (``TapPlan.tap_read``; the copy cannot change, and is what the layer multiplied).
+        if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output, read_now=True):
+            return  # (TapPlan.tap_read holds nothing of x, at most the copy)
+        copy = _autocast_copy(capture, x, output) if saved else None
+        held = [] if copy is None else [copy.detach()]
+    if held:
         # The input's statistics are computed with the gradient's, in the backward pass,
-        # where the host has time to spare (the forward is launch-bound).  Holding x
-        # costs nothing: autograd holds it for the weight's gradient, which is also why
-        # it cannot have been changed in place by then.  The hook lets go of x once it has
-        # read it: autograd keeps the hook (its node lives until the loss is dropped), and a
-        # hook holding x would keep every activation to the end of the backward, where
-        # autograd frees each one as soon as its layer's gradient is computed.
-        held = [x]
+        # where the host has time to spare (the forward is launch-bound).  Holding x (or its
+        # autocast copy) costs nothing: autograd holds it for the weight's gradient, which
+        # is also why it cannot have been changed in place by then.  The hook lets go of it
+        # once it has read it: autograd keeps the hook (its node lives until the loss is
+        # dropped), and a hook holding it would keep every activation to the end of the
+        # backward, where autograd frees each one as soon as its layer's gradient is computed.
 
         def on_output_grad(grad: Tensor) -> None:
             if not held:
@@ -152,13 +169,8 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
                 s, sn = rule.output_partial(module, grad)
                 capture.commit(h, hn, s, sn)
     else:
-        # Frozen weight (or autograd computing on a cast copy, or a saved-tensor hook such
-        # as activation checkpointing deciding where saved tensors go): x may be modified in
-        # place before the backward, or be gone by then, so read it now, on the current
-        # stream (on the side stream, a later in-place write on the current stream would
-        # race with the read).
-        if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output, read_now=True):
-            return  # (TapPlan.tap_read reads x as given, under no-grad, and holds nothing of it)
+        # read now, on the current stream (on the side stream, a later in-place write on the
+        # current stream would race with the read)
         x = x.detach()
         with torch.no_grad(), streams.suspended():
             h, hn = rule.input_partial(module, x)
@@ -280,6 +292,25 @@ def _computed_on_a_cast(x: Tensor, output: object) -> bool:
     copy, not ``x``, so holding ``x`` to the backward would keep a second activation
     alive, and nothing would stop ``x`` from being changed in place meanwhile."""
     return isinstance(output, Tensor) and output.dtype != x.dtype
+
+
+def _autocast_copy(capture: LayerCapture, x: Tensor, output: object) -> Optional[Tensor]:
+    """The copy of ``x`` a Linear-like layer computed on under autocast, as autograd saved it
+    for the weight's gradient (the extension's ``autocast_copy``), where the kernels take it
+    and the rule sums ``x`` per feature over its leading dims; else ``None``.  The Python
+    hooks then take the statistics the C++ taps take (``TapPlan.tap_read``), from the same
+    values: those the layer multiplied."""
+    if not isinstance(output, Tensor) or not _computed_on_a_cast(x, output):
+        return None
+    ext = _kernels.ext_for(x, output)
+    find = getattr(ext, "autocast_copy", None)  # (a build from before it: none)
+    if find is None:
+        return None
+    fused = capture.fused_stats(x, output)
+    if fused is None or tuple(fused.input_op[:2]) != (0, -1):
+        return None
+    copy = find(x, output)
+    return None if copy is None or _kernels.ext_for(copy, output) is None else copy
 
 
 def _input_saved_for_backward(module: nn.Module) -> bool:

@@ -23,6 +23,7 @@ from lightning_cafin.capture import hooks, taps
 from lightning_cafin.capture.hooks import keep_hooks_in_place
 from lightning_cafin.capture.layer_capture import LayerCapture
 
+from .test_fused_stats import _Float
 from .test_gradient_taps import ext, tap_setting  # noqa: F401  (fixtures)
 from .test_kept_launch import Tapped, _assert_same, kernels_on_cpu  # noqa: F401  (kernels_on_cpu: a fixture)
 
@@ -36,13 +37,6 @@ def nothing_compiled():
     previous = keep_hooks_in_place(False)
     yield
     keep_hooks_in_place(previous)
-
-
-class _Float(nn.Module):
-    """Hands the next layer float32 (under autocast it then computes on a cast copy)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float()
 
 
 def _plans_asked(monkeypatch) -> set[str]:
@@ -128,9 +122,10 @@ def test_the_fast_tap_gives_the_general_paths_factors_and_is_taken_when_nothing_
 
 
 def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(kernels_on_cpu, monkeypatch):  # noqa: F811
-    """Under autocast a Linear given float32 computes on a bfloat16 copy (its input read in the
-    forward, ``TapPlan.tap_read``), one given bfloat16 takes the plain tap: both repeat their
-    tap, and the factors equal the general path's.  (The first Linear, the step's first
+    """Under autocast a Linear given float32 computes on a bfloat16 copy (``TapPlan.tap_read``:
+    the copy autograd saved, or the input read in the forward where the graph does not show
+    the cast), one given bfloat16 takes the plain tap: both repeat their tap, and the factors
+    equal the general path's.  (The first Linear, the step's first
     forward, asks the general path at every step: that opens the step's gate.)"""
     lowp = (torch.float32, torch.bfloat16)
     monkeypatch.setattr(ck, "ext_for", lambda *t: kernels_on_cpu.fake if all(v.dtype in lowp for v in t) else None)
@@ -168,8 +163,8 @@ def test_a_layer_computing_on_an_autocast_copy_repeats_its_read_in_the_forward(k
 def test_a_read_tap_reads_its_input_as_given_in_the_forward(kernels_on_cpu, monkeypatch):  # noqa: F811
     """A ``tap_read`` (a Linear computing on an autocast copy), repeated by the C++ hook or
     taken by the general path, hands its input to the statistics as it is (no ``detach`` per
-    layer) and reads it in the forward, inside no backward node (the factors still equal the
-    general path's: the test above)."""
+    layer): where it reads it in the forward, inside no backward node, and where autograd
+    saved the copy, holding that (the factors still equal the general path's: the test above)."""
     from torch.profiler import ProfilerActivity, profile
 
     lowp = (torch.float32, torch.bfloat16)
@@ -191,8 +186,10 @@ def test_a_read_tap_reads_its_input_as_given_in_the_forward(kernels_on_cpu, monk
         step()
     reads = [e for e in prof.events() if e.name == "lightning_cafin::tap_read"]
     # Linears "0" (the step's first forward: the general path) and "3" (repeated by its C++
-    # hook) read their float32 input; "5" is given bfloat16 and takes the plain tap
+    # hook) call tap_read: "0" reads its float32 input (a leaf: no graph node shows the cast),
+    # "3" holds the bfloat16 copy autograd saved; "5" is given bfloat16 and takes the plain tap
     assert len(reads) == 2
+    assert [sum(p.cast_taps for p in opt.binding.captures[n].tap_plans.values()) for n in ("0", "3")] == [0, 3]
 
     def below(event) -> list[str]:
         return [c.name for c in event.cpu_children] + [n for c in event.cpu_children for n in below(c)]

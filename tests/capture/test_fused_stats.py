@@ -92,6 +92,13 @@ def test_fused_description_computes_the_two_partials(name):
     torch.testing.assert_close(s.double(), s_want.double(), rtol=1e-5, atol=0)
 
 
+class _Float(nn.Module):
+    """Hands the next layer float32 (under autocast it then computes on a cast copy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
 class _Net(nn.Module):
     """Every fusable family once, and a LayerNorm over two dims (not fusable: its input needs a view)."""
 

@@ -33,7 +33,7 @@ from lightning_cafin.kernels.loader import extension_if_built
 
 from .test_activation_checkpointing import Net, factors_after_two_captures
 from .test_capture_impl import fake_factor_update_
-from .test_fused_stats import CASES, _Net
+from .test_fused_stats import CASES, _Float, _Net
 from .test_rules_kernels import fake_channel_stats, fake_conv_input_stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def on_cpu(ext, monkeypatch, tap_setting):
 
     stand_in = types.SimpleNamespace(layer_stats=layer_stats, TapPlan=ext.TapPlan, TapSink=ext.TapSink,
                                      channel_stats=fake_channel_stats, conv_input_stats=fake_conv_input_stats,
-                                     factor_update_=fake_factor_update_)
+                                     factor_update_=fake_factor_update_, autocast_copy=ext.autocast_copy)
     monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None)
     return calls
 
@@ -461,6 +461,96 @@ def test_tap_read_reads_the_input_in_the_call_and_checks_its_input_op(ext):
         ext.TapPlan(ext.TapSink(), [2, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0).tap_read(x, x @ w)
     with pytest.raises(RuntimeError, match="TapPlan: sink must be a TapSink"):
         ext.TapPlan(None, [0, 1, 1], 0.0, 1, True, 0.0, 3.0, 3.0)
+
+
+def _norm_then_linear(bias: bool, leading: tuple[int, ...]):
+    """A float32 LayerNorm's output (a graph node of its own) and a Linear on it under bf16
+    autocast: the Linear computes on a bfloat16 copy of it (a GPT block's attention and MLP inputs)."""
+    torch.manual_seed(0)
+    norm, linear = nn.LayerNorm(6), nn.Linear(6, 4, bias=bias)
+    z = norm(torch.randn(*leading, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(z)
+    assert z.dtype == torch.float32 and out.dtype == torch.bfloat16
+    return z, out, linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("leading", [(10,), (2, 5), (2, 1, 5)])
+def test_autocast_copy_is_the_copy_autograd_saved_for_the_weight(ext, bias, leading):
+    """2-D input: the product's own node; 3-D and more: a view of it (flattened first)."""
+    z, out, _ = _norm_then_linear(bias, leading)
+    copy = ext.autocast_copy(z, out)
+    assert copy is not None and copy.dtype == torch.bfloat16 and copy.shape == (10, 6)
+    assert torch.equal(copy, z.detach().to(torch.bfloat16).reshape(10, 6))
+    # the very tensor autograd saved (no copy of ours)
+    node = out.grad_fn
+    if type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+        node = node.next_functions[0][0]
+    want = node._saved_mat1 if bias else node._saved_self
+    assert copy.data_ptr() == want.data_ptr()
+
+
+def test_autocast_copy_is_none_where_the_graph_does_not_show_the_cast(ext):
+    z, out, linear = _norm_then_linear(True, (2, 5))
+    assert ext.autocast_copy(z.detach(), out) is None  # no graph node of its own
+    assert ext.autocast_copy(z * 1.0, out) is None  # not the tensor that was cast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        leaf = torch.randn(3, 6, requires_grad=True)
+        assert ext.autocast_copy(leaf, linear(leaf)) is None  # a leaf
+        assert ext.autocast_copy(z, linear(z.transpose(0, 1).transpose(0, 1))) is None  # views the walk does not know
+        assert ext.autocast_copy(z, linear(z) * 2) is None  # not the product's output
+        assert ext.autocast_copy(z, torch.relu(z.to(torch.bfloat16))) is None  # no product
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            assert ext.autocast_copy(z, linear(z)) is None  # the saved copy is the hooks'
+        linear.weight.requires_grad_(False)
+        assert ext.autocast_copy(z, linear(z)) is None  # a frozen weight: nothing saved
+    assert ext.autocast_copy(z, nn.Linear(6, 4)(z)) is None  # no cast (float32 throughout)
+
+
+def test_tap_read_on_an_autocast_copy_reads_it_with_the_gradient(ext):
+    """tap_read holds the saved copy instead of reading x: x changed in place after the forward
+    changes nothing, and h is the copy's sums (x's values rounded to bfloat16), with the
+    plan's counts, from the same call as s."""
+    z, out, _ = _norm_then_linear(True, (2, 5))
+    sink = ext.TapSink()
+    plan = ext.TapPlan(sink, [0, -1, 1], 0.0, -1, True, 0.0, 10.0, 10.0)
+    plan.tap_read(z, out)
+    assert plan.cast_taps == 1
+    copy = z.detach().to(torch.bfloat16)
+    want_h = copy.float().square().sum((0, 1))
+    with torch.no_grad():
+        z.mul_(3.0)  # legal (autograd saved the copy), and not what the layer multiplied
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ((h, hn, s, sn),) = sink.take()
+    assert (hn, sn) == (10.0, 10.0)
+    torch.testing.assert_close(h, want_h, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s, grad.float().square().sum((0, 1)), rtol=1e-6, atol=0)
+    # where nothing is found, x is read in the call, as before
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = nn.Linear(6, 4)(x)
+    plan.tap_read(x, out)
+    assert plan.cast_taps == 1
+
+
+def test_python_hooks_take_the_autocast_copy_the_taps_take(on_cpu_bf16):
+    """A Linear after a float32 op under autocast (its input a graph node, cast to bfloat16):
+    the taps hold the saved copy (``cast_taps``) and the Python hooks take the same copy
+    (``autocast_copy``), both reading it with the gradient; the factors agree, and differ
+    from those of the float32 input by the cast's rounding only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), _Float(), nn.Linear(5, 3))
+    hooked, tapped = copy.deepcopy(model), copy.deepcopy(model)
+    ref = _train_autocast(hooked, False)
+    got = _train_autocast(tapped, True)
+    plans = got.binding.captures["3"].tap_plans.values()
+    assert sum(p.cast_taps for p in plans) == 3  # every capture step's forward
+    for name, cap in got.binding.captures.items():
+        want = ref.binding.captures[name]
+        torch.testing.assert_close(cap.H, want.H, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(cap.S, want.S, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("value, want", [("yes", "True"), ("0", "False"), ("off", "False"), ("", "True"), (None, "True"),

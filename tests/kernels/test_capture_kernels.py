@@ -937,10 +937,43 @@ def test_gradient_taps_give_the_python_hooks_factors(ext, impl, precision, side)
         close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
 
 
-def test_linear_layers_on_an_autocast_copy_read_their_input_in_the_tap_call(ext, impl):
+@pytest.mark.parametrize("side", [False, True])
+def test_a_linear_on_an_autocast_copy_reads_the_copy_with_its_gradient(ext, side):
+    """A GPT block's Linear after its float32 LayerNorm, under bf16 autocast: ``tap_read``
+    finds the bf16 copy autograd saved for the weight's gradient (``cast_taps``), reads
+    nothing in the forward, and in the backward sums the copy and the gradient (one paired
+    launch, on either stream) to the float64 sums of the copy's values; a second backward
+    through the retained graph adds nothing."""
+    from lightning_cafin.capture import streams
+
+    torch.manual_seed(0)
+    norm, linear = nn.LayerNorm(768).to(DEV), nn.Linear(768, 2304).to(DEV)
+    z = norm(torch.randn(4, 129, 768, device=DEV))
+    with torch.autocast("cuda", torch.bfloat16):
+        out = linear(z)
+    sink = ext.TapSink()
+    plan = ext.TapPlan(sink, [0, -1, 1], 0.0, -1, True, 0.0, 516.0, 516.0)
+    want_h = z.detach().to(torch.bfloat16).double().square().sum((0, 1))
+    plan.tap_read(z, out, side)
+    assert plan.cast_taps == 1
+    grad = torch.randn_like(out)
+    out.backward(grad, retain_graph=True)
+    out.backward(grad)
+    if side:
+        streams.join()
+        torch.cuda.current_stream().synchronize()
+        streams.release()
+    ((h, hn, s, sn),) = sink.take()
+    assert (hn, sn) == (516.0, 516.0)
+    close(h, want_h, STAT_RTOL)
+    close(s, grad.double().square().sum((0, 1)), STAT_RTOL)
+
+
+def test_linear_layers_on_an_autocast_copy_take_it_on_both_paths(ext, impl):
     """A GPT block's Linear after a float32 LayerNorm computes, under bf16 autocast, on a
-    bf16 copy of its input: the tap reads the float32 input in the forward on the kernels
-    (``TapPlan.tap_read``); over two captures the factors are the Python hooks'."""
+    bf16 copy of its input: the C++ tap (``TapPlan.tap_read``) and the Python hook
+    (``autocast_copy``) both read that copy with the gradient in the backward; over two
+    captures the factors agree, and the first capture's input sums are the copy's."""
     from lightning_cafin import AdaFisherW
     from lightning_cafin.capture import taps
 
@@ -955,13 +988,20 @@ def test_linear_layers_on_an_autocast_copy_read_their_input_in_the_tap_call(ext,
             taps.set_enabled(tapped)
             model = copy.deepcopy(base)
             opt = AdaFisherW(model, lr=1e-3, TCov=1, backend="fused")
-            for _ in range(2):
+            for step in range(2):
                 opt.zero_grad()
                 with torch.autocast("cuda", torch.bfloat16):
                     out = model(x)
                 assert out.dtype == torch.bfloat16
                 out.float().square().mean().backward()
-                assert sum(c.sink is not None and len(c.sink) == 1 for c in opt.binding.captures.values()) == 3 * tapped
+                caps = opt.binding.captures
+                assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == 3 * tapped
+                if tapped:
+                    assert sum(p.cast_taps for p in caps["1"].tap_plans.values()) == step + 1
+                if step == 0:
+                    with torch.no_grad():
+                        copy_of_input = model[0](x).to(torch.bfloat16).double()
+                    close(caps["1"].pending.h, copy_of_input.square().sum((0, 1)), STAT_RTOL)
                 opt.step()
             results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
     finally:
