@@ -27,7 +27,8 @@ passes over every layer, the median per call.  Device time, not the time between
 events: back-to-back calls of a small layer are bounded by the host's launch rate (a few us
 a launch), which would hide what the kernels take.  Norms whose capture reads neither
 tensor (a training batch norm, a layer norm with a bias: they use the means autograd saved)
-are left out, as in the floor.
+are left out, as in the floor; a Linear on an autocast copy of its input is given that copy
+(its capture reads the one autograd saved), as the floor counts it.
 
 ``--kernels N`` then breaks down the N layers whose one call takes most above the ops apart
 (above torch's read where there is no apart) kernel by kernel (``us_per_kernel``), on the
@@ -52,7 +53,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_cafin.bench.floor import peak_bandwidth, reads_nothing
+from lightning_cafin.bench.floor import peak_bandwidth, reads_autocast_copy, reads_nothing
 from lightning_cafin.bench.timing import device_us_per_call, us_per_kernel
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 from lightning_cafin.capture.rules.base import FusedStats
@@ -95,7 +96,9 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
         def hook(module: torch.nn.Module, inputs: tuple, output: Tensor) -> None:
             if reads_nothing(module, inputs[0]):
                 return
-            entry = seen[name] = [inputs[0].detach(), None]
+            # (a Linear on an autocast copy: its capture reads the copy, equal to this cast)
+            x = inputs[0].detach()
+            entry = seen[name] = [x.to(output.dtype) if reads_autocast_copy(module, inputs[0], output) else x, None]
             output.register_hook(lambda g: entry.__setitem__(1, g.detach()))
         return hook
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_cafin import AdaFisher
-from lightning_cafin.bench.floor import (StatisticsBytes, floor_ms, peak_bandwidth, reads_nothing, statistics_bytes,
-                                         statistics_floor)
+from lightning_cafin.bench.floor import (StatisticsBytes, floor_ms, peak_bandwidth, reads_autocast_copy, reads_nothing,
+                                         statistics_bytes, statistics_floor)
 from lightning_cafin.bench.workloads import Workload
 
 CPU = torch.device("cpu")
@@ -30,9 +30,9 @@ def test_each_linear_counts_its_input_and_output_gradient_and_the_layer_norm_not
     read = statistics_bytes(_toy(autocast), CPU, small=2)
     assert read.layers == 2  # the layer norm on (B, T, D) is bound but reads neither tensor
     out = 4 if autocast is None else 2  # a Linear's output (and so its gradient) in the autocast dtype
-    # the first Linear reads the layer norm's float32 output (the float32 input the statistics
-    # read in the forward, not autocast's copy), the second the first's output
-    assert read.inputs == 18 * 8 * 4 + 18 * 16 * out
+    # the first Linear reads the layer norm's output as it computed on it (under autocast the
+    # bfloat16 copy autograd saved of the float32 output), the second the first's output
+    assert read.inputs == 18 * 8 * out + 18 * 16 * out
     assert read.gradients == 18 * 16 * out + 18 * 4 * out
     assert statistics_bytes(_toy(autocast), CPU, small=3, batch=12) == StatisticsBytes(2 * read.inputs,
                                                                                       2 * read.gradients, 2)
@@ -50,6 +50,17 @@ def test_a_norm_whose_statistics_need_its_tensors_counts_them():
     bn = nn.BatchNorm1d(8)
     assert reads_nothing(bn, x2) and not reads_nothing(bn.eval(), x2)
     assert not reads_nothing(nn.SyncBatchNorm(8), x2) and not reads_nothing(nn.Linear(8, 8), x2)
+
+
+def test_a_linear_reads_its_autocast_copy_only_where_autograd_can_have_saved_it():
+    linear, half = nn.Linear(8, 4), torch.zeros(2, 4, dtype=torch.bfloat16)
+    node = torch.randn(2, 8, requires_grad=True) * 1.0  # an input with a graph node of its own
+    assert reads_autocast_copy(linear, node, half)
+    assert not reads_autocast_copy(linear, node.detach(), half)  # a leaf (the model's input)
+    assert not reads_autocast_copy(linear, node, half.float())  # no cast
+    assert not reads_autocast_copy(nn.Conv1d(8, 4, 1), node, half)  # not a Linear
+    linear.weight.requires_grad_(False)
+    assert not reads_autocast_copy(linear, node, half)  # a frozen weight: nothing saved
 
 
 def test_the_floor_is_the_bytes_at_the_bandwidth_and_needs_a_known_bandwidth():

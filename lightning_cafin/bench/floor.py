@@ -10,10 +10,10 @@ backward, the side stream, or reading less can), and beside the package's kernel
 far those kernels are from it.
 
 What is counted, per layer the optimizer binds, from one forward under the workload's
-autocast (``statistics_bytes``): the input at the dtype the layer received it (where
-autograd keeps only an autocast copy, e.g. a Linear after a float32 LayerNorm, the
-statistics read the float32 input in the forward, which is what a forward hook sees) and
-the output gradient at the output's dtype.  A training batch norm or a layer norm on
+autocast (``statistics_bytes``): the input at the dtype the layer received it, except for a
+Linear computing on an autocast copy of an input that has a graph node of its own (e.g.
+after a float32 LayerNorm): its statistics read the copy autograd saved, at the output's
+dtype (``capture_tap.h``, ``autocast_copy``); and the output gradient at the output's dtype.  A training batch norm or a layer norm on
 ``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means
 it saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
 counted: a 3 x 3 convolution's window sums over its per-position maps, the factor update,
@@ -48,6 +48,15 @@ def reads_nothing(module: nn.Module, x: torch.Tensor) -> bool:
     return isinstance(module, nn.LayerNorm) and trained_bias and x.dim() >= 3
 
 
+def reads_autocast_copy(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether a capture reads the autocast copy of ``x`` that autograd saved for a Linear's
+    weight (the copy's conditions that one forward shows: a Linear with a trained weight, an
+    input with a graph node of its own, an output of another dtype) instead of ``x``."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.requires_grad
+            and x.grad_fn is not None and output.dtype != x.dtype)
+
+
 def statistics_bytes(wl: Workload, device: torch.device, small: Optional[int] = None,
                      batch: Optional[int] = None) -> StatisticsBytes:
     """What one capture step's statistics read on ``wl``, from a forward of its first ``small``
@@ -63,15 +72,17 @@ def statistics_bytes(wl: Workload, device: torch.device, small: Optional[int] = 
     read = {"inputs": 0, "gradients": 0, "layers": 0}
 
     def count(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        if reads_nothing(module, inputs[0]):
+        x = inputs[0]
+        if reads_nothing(module, x):
             return
-        read["inputs"] += inputs[0].numel() * inputs[0].element_size()
+        read["inputs"] += x.numel() * (output.element_size() if reads_autocast_copy(module, x, output) else x.element_size())
         read["gradients"] += output.numel() * output.element_size()
         read["layers"] += 1
 
     handles = [cap.module.register_forward_hook(count) for cap in layers.values()]
     try:
-        with torch.no_grad(), wl.precision(device):
+        # (with autograd on: whether an input has a graph node of its own decides what is read)
+        with torch.enable_grad(), wl.precision(device):
             model(x)
     finally:
         for h in handles:
