@@ -491,6 +491,19 @@ def test_autocast_copy_is_the_copy_autograd_saved_for_the_weight(ext, bias, lead
     assert copy.data_ptr() == want.data_ptr()
 
 
+def test_autocast_copy_of_a_hugging_face_conv1d_casts_after_its_view(ext):
+    """GPT-2's ``Conv1D`` flattens its input before ``addmm`` (autocast then casts the view):
+    the walk passes the cast first, then the view."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    norm, layer = nn.LayerNorm(6), conv1d(4, 6)
+    z = norm(torch.randn(2, 5, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(z)
+    copy = ext.autocast_copy(z, out)
+    assert copy is not None and torch.equal(copy, z.detach().reshape(10, 6).to(torch.bfloat16))
+
+
 def test_autocast_copy_is_none_where_the_graph_does_not_show_the_cast(ext):
     z, out, linear = _norm_then_linear(True, (2, 5))
     assert ext.autocast_copy(z.detach(), out) is None  # no graph node of its own
