@@ -193,9 +193,9 @@ for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
            R"doc(As tap_gradient with (h, hn) read from x now: h = layer_stats' input sums of x
 (input_op, input_div) computed in this call on the current stream (the ATen reference for a
 CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.  Where a
-Linear-like layer computed on an autocast copy of a CUDA x that autograd saved for its backward,
-that copy is tapped as plan.tap would tap x instead (read with the gradient in the backward;
-counted by cast_taps).)doc",
+Linear-like layer computed on an autocast copy of x that autograd saved for its backward
+(autocast_copy), that copy is tapped as plan.tap would tap x instead (read with the gradient in
+the backward; counted by cast_taps).)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false);
   py::class_<lightning_cafin::ForwardTapHook, std::shared_ptr<lightning_cafin::ForwardTapHook>>(
       m, "ForwardTapHook",

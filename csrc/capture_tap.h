@@ -118,9 +118,9 @@ struct TapPlan {
 // for the weight's gradient, as a 2-D (rows, x's last dim) tensor of the output's dtype,
 // where the graph shows it is x cast; undefined elsewhere.  The output must come from the
 // matrix product itself (AddmmBackward0, MmBackward0) or a view of it (a 3-D input's
-// flattening: ViewBackward0, UnsafeViewBackward0), whose saved left operand reaches x's own
-// graph node through views and exactly one cast (ToCopyBackward0), with x's element count
-// and last dim.  Views and a cast keep the elements' row-major order, so the copy's
+// flattening), whose saved left operand reaches x's own graph node through views
+// (ViewBackward0, UnsafeViewBackward0, ReshapeAliasBackward0) and exactly one cast
+// (ToCopyBackward0), with x's element count and last dim.  Views and a cast keep the elements' row-major order, so the copy's
 // per-column sums over its rows are the per-feature sums over x's leading dims of the
 // values the layer multiplied (x's, rounded to the output's dtype).  Nothing is found under
 // saved-tensor hooks (activation checkpointing, offloading: the saved copy is theirs), for
@@ -136,13 +136,12 @@ void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& 
 // stream (hn: the plan's): for an x that may change or be gone by the backward (a layer
 // computing on a cast copy of it, a frozen weight, saved-tensor hooks), read in one call.
 // Except where a Linear-like layer (input_op (0, -1, square)) computed on an autocast copy
-// of x that autograd saved for the weight's gradient (autocast_copy, above):
-// then the ordinary tap holds that copy (autocast_copy) instead of x, and the backward reads
-// it with the gradient in one layer_stats call (beside the backward on the side stream where
-// `side`).
-// The copy cannot change before that (no one else holds it), has half or less of x's bytes,
-// is what the layer multiplied, and costs the forward no launch: under bf16 autocast a
-// transformer's LayerNorm outputs (float32) were read in a forward that is host-bound.
+// of x that autograd saved for the weight's gradient (autocast_copy, above): then the
+// ordinary tap holds that copy instead of x, and the backward reads it with the gradient in
+// one layer_stats call (beside the backward on the side stream where `side`).  The copy
+// cannot change before then (no one else holds it), has half or less of x's bytes, is what
+// the layer multiplied, and costs the forward no launch: under bf16 autocast a
+// transformer's float32 LayerNorm outputs were read in a forward that is host-bound.
 void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 
 }  // namespace lightning_cafin

@@ -12,10 +12,11 @@ far those kernels are from it.
 What is counted, per layer the optimizer binds, from one forward under the workload's
 autocast (``statistics_bytes``): the input at the dtype the layer received it, except for a
 Linear computing on an autocast copy of an input that has a graph node of its own (e.g.
-after a float32 LayerNorm): its statistics read the copy autograd saved, at the output's
-dtype (``capture_tap.h``, ``autocast_copy``); and the output gradient at the output's dtype.  A training batch norm or a layer norm on
-``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means
-it saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
+after a float32 LayerNorm), whose statistics read the copy autograd saved, at the output's
+dtype (``capture_tap.h``, ``autocast_copy``); and the output gradient at the output's
+dtype.  A training batch norm or a layer norm on ``(B, T, ..., D)`` with a trained bias
+reads neither (its statistics come from the means it saved and its bias gradient,
+``capture/taps.py``); any other norm counts both.  Not
 counted: a 3 x 3 convolution's window sums over its per-position maps, the factor update,
 launch latency: the floor is below any real figure.
 """
