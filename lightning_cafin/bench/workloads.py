@@ -128,9 +128,9 @@ def script_arguments(description: str, counts: dict[str, tuple],
     if per_workload and args.workload != "all" and args.workload not in NAMES:
         raise SystemExit(f"--workload: unknown workload '{args.workload}'; choose from {', '.join(NAMES)} or all")
     for flag, (_, _, *least) in counts.items():
-        lowest = least[0] if least else 1
-        if getattr(args, flag) < lowest:
-            raise SystemExit(f"--{flag} must be at least {lowest}, got {getattr(args, flag)}")
+        lowest, value = (least[0] if least else 1), getattr(args, flag.replace("-", "_"))  # (argparse's dest)
+        if value < lowest:
+            raise SystemExit(f"--{flag} must be at least {lowest}, got {value}")
     if args.device not in ("cuda", "cpu"):
         raise SystemExit(f"--device: expected cuda or cpu, got '{args.device}'")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,79 @@
+"""What a capture step costs above a normal one, per workload, in one short run: the quick
+same-machine measure for an A/B of a capture-path change (``scripts/gpu_ab.sh`` with
+``AB_CMD``), where the bench's whole matrix takes minutes a workload.
+
+    python scripts/capture_gap.py --workload gpt             # the statistics on the current stream
+    python scripts/capture_gap.py --workload resnet50 --side # on the side stream
+    python scripts/capture_gap.py --device cpu --quick --steps 2 --host-steps 1   # a smoke run
+
+Why: the capture-step goals (issue 16: 1 ms above a normal step on ResNet-18, 5% on
+ResNet-50 and the GPT) are step-synchronous figures that move with the host more than most
+changes move them, so a change is judged against the code without it on one machine, side by
+side (``gpu_ab.sh``).  The bench's matrix measures the same figure among a dozen others.
+
+Per workload, one fresh model at full size (``--quick``: tiny) with AdaFisher(W) at
+``TCov`` never, its statistics on the current stream (``--side``: the side stream) rather
+than ``"auto"``'s choice, whose trials would time some steps on either: ``--steps`` rounds of
+a synchronised normal and capture step, interleaved (``bench.timing.interleaved``,
+``elapsed_ms``), after three of each untimed; the paired differences and ratios (median
+[p10, p90]); then ``--host-steps`` pairs of ``Trainer.host_phases``: the host's forward,
+backward and optimizer step above a normal step's, per captured layer.
+
+On an H100 at cc8b6d1 a first form of this script measured the GPT's capture step at
++2.02-2.14 ms (1.047x-1.049x) against +2.24-2.32 ms (1.052x-1.053x) without that commit's
+change (``docs/results/ab-autocast-copy-h100-cc8b6d1.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from typing import Optional
+
+import torch
+
+from lightning_cafin.bench.matrix import NEVER, adafisher
+from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
+from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+
+
+def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
+    """One workload's line: the normal step, the capture step above it, their ratio, and the
+    host's phases above a normal step per captured layer."""
+    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream=args.side)
+    for _ in range(3):
+        trainer.step()
+        trainer.capture_step()
+    steps = interleaved({"normal": functools.partial(elapsed_ms, trainer.step, device),
+                         "capture": functools.partial(elapsed_ms, trainer.capture_step, device)}, args.steps)
+    above = paired(steps["capture"], steps["normal"], diff)
+    times = paired(steps["capture"], steps["normal"], ratio)
+    layers = len(trainer.opt.binding.captures)
+    host = [(trainer.host_phases(False), trainer.host_phases(True)) for _ in range(args.host_steps)]
+    per_layer = [statistics.median(c[i] - n[i] for n, c in host) * 1e3 / max(1, layers) for i in range(3)]
+    stream = "side" if args.side else "current"
+    return (f"{wl.name}: {wl.description}; statistics on the {stream} stream, {args.steps} interleaved pairs: "
+            f"normal {spread_text(spread(steps['normal']))} ms, capture above normal {spread_text(above)} ms, "
+            f"capture / normal {times['median']:.4f}x [{times['p10']:.4f}x, {times['p90']:.4f}x]; "
+            f"host above normal per captured layer ({layers} layers, {args.host_steps} pairs), "
+            f"forward / backward / step: " + " / ".join(f"{v:.2f}" for v in per_layer) + " us")
+
+
+#: the script's counts: flag -> (default, help)
+COUNTS = {"steps": (30, "interleaved pairs of a normal and a capture step"),
+          "host-steps": (10, "pairs of the host's phases, normal then capture")}
+
+
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv,
+                            {"side": "the statistics on the side stream (default: the current stream)"})
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return print_reports(parse(argv), report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
