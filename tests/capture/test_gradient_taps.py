@@ -548,6 +548,27 @@ def test_tap_read_on_an_autocast_copy_reads_it_with_the_gradient(ext):
     assert plan.cast_taps == 1
 
 
+def test_a_linear_called_twice_taps_each_calls_own_copy(ext):
+    """Two calls of one Linear before one backward (a block applied twice): each call's tap
+    holds its own saved copy, and the sink gets each call's sums."""
+    torch.manual_seed(0)
+    norm, linear = nn.LayerNorm(6), nn.Linear(6, 4)
+    z1, z2 = norm(torch.randn(3, 6)), norm(torch.randn(3, 6)) * 3.0  # (h nine times z1's: told apart below)
+    sink = ext.TapSink()
+    plan = ext.TapPlan(sink, [0, -1, 1], 0.0, -1, True, 0.0, 3.0, 3.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out1, out2 = linear(z1), linear(z2)
+    plan.tap_read(z1, out1)
+    plan.tap_read(z2, out2)
+    assert plan.cast_taps == 2
+    (out1.float().sum() + 2 * out2.float().sum()).backward()
+    results = sink.take()
+    assert len(results) == 2
+    for z, (h, hn, _, _) in zip((z1, z2), sorted(results, key=lambda r: float(r[0].sum()))):
+        torch.testing.assert_close(h, z.detach().to(torch.bfloat16).float().square().sum(0), rtol=1e-6, atol=0)
+        assert hn == 3.0
+
+
 def test_python_hooks_take_the_autocast_copy_the_taps_take(on_cpu_bf16):
     """A Linear after a float32 op under autocast (its input a graph node, cast to bfloat16):
     the taps hold the saved copy (``cast_taps``) and the Python hooks take the same copy
