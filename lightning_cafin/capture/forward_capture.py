@@ -143,7 +143,8 @@ def _capture_forward(slot: "_Slot", module: nn.Module, args: tuple, kwargs: dict
         # (``TapPlan.tap_read``; the copy cannot change, and is what the layer multiplied).
         if tap is None and isinstance(output, Tensor) and _tapped(capture, x, output, read_now=True):
             return  # (TapPlan.tap_read holds nothing of x, at most the copy)
-        copy = _autocast_copy(capture, x, output) if saved else None
+        # (saved: then the layer computed on a cast, so output is a tensor)
+        copy = _autocast_copy(capture, x, output) if saved and isinstance(output, Tensor) else None
         held = [] if copy is None else [copy.detach()]
     if held:
         # The input's statistics are computed with the gradient's, in the backward pass,
@@ -294,23 +295,20 @@ def _computed_on_a_cast(x: Tensor, output: object) -> bool:
     return isinstance(output, Tensor) and output.dtype != x.dtype
 
 
-def _autocast_copy(capture: LayerCapture, x: Tensor, output: object) -> Optional[Tensor]:
-    """The copy of ``x`` a Linear-like layer computed on under autocast, as autograd saved it
-    for the weight's gradient (the extension's ``autocast_copy``), where the kernels take it
-    and the rule sums ``x`` per feature over its leading dims; else ``None``.  The Python
-    hooks then take the statistics the C++ taps take (``TapPlan.tap_read``), from the same
-    values: those the layer multiplied."""
-    if not isinstance(output, Tensor) or not _computed_on_a_cast(x, output):
-        return None
-    ext = _kernels.ext_for(x, output)
-    find = getattr(ext, "autocast_copy", None)  # (a build from before it: none)
+def _autocast_copy(capture: LayerCapture, x: Tensor, output: Tensor) -> Optional[Tensor]:
+    """The copy of ``x`` a Linear-like layer computed on under autocast (the caller checked
+    that it computed on a cast), as autograd saved it for the weight's gradient (the
+    extension's ``autocast_copy``), where the kernels take it (it has the output's dtype and
+    device) and the rule sums ``x`` per feature over its leading dims; else ``None``.  The
+    Python hooks then take the statistics the C++ taps take (``TapPlan.tap_read``), from the
+    same values: those the layer multiplied."""
+    find = getattr(_kernels.ext_for(x, output), "autocast_copy", None)  # (a build from before it: none)
     if find is None:
         return None
     fused = capture.fused_stats(x, output)
     if fused is None or tuple(fused.input_op[:2]) != (0, -1):
         return None
-    copy = find(x, output)
-    return None if copy is None or _kernels.ext_for(copy, output) is None else copy
+    return find(x, output)
 
 
 def _input_saved_for_backward(module: nn.Module) -> bool:
