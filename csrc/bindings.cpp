@@ -195,7 +195,9 @@ for a CPU gradient) and adds (h, hn, s, sn) to the sink, once per graph.)doc",
 CPU x), hn the plan's.  For an x that may change in place or be gone by the backward.  Where a
 Linear-like layer computed on an autocast copy of x that autograd saved for its backward
 (autocast_copy), that copy is tapped as plan.tap would tap x instead (read with the gradient in
-the backward; counted by cast_taps).)doc",
+the backward; counted by cast_taps).  A norm's plan whose norm saved its means (a layer norm
+computing in float32 on a bf16 x under autocast) takes plan.tap's norm tap, reading nothing now
+(counted by norm_taps), except under saved-tensor hooks.)doc",
            py::arg("x"), py::arg("output"), py::arg("side") = false);
   py::class_<lightning_cafin::ForwardTapHook, std::shared_ptr<lightning_cafin::ForwardTapHook>>(
       m, "ForwardTapHook",

@@ -318,6 +318,11 @@ void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, c
   LIGHTNING_CAFIN_RECORD_OP("tap_read");
   check_tap_args(plan, output, kReadTap);
   TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
+  // a norm computing on a cast of x (a layer norm given bf16 under autocast runs in float32):
+  // its saved means are autograd's, so the norm tap reads nothing in the forward, as tap()'s
+  // does.  Not under saved-tensor hooks (checkpointing, offloading): unpacking the means
+  // now would run their unpack hook in the forward.
+  if (plan->mean_scale > 0.0 && !at::SavedTensorDefaultHooks::get_hooks().has_value() && tap_norm(plan, output)) return;
   // a Linear-like layer on an autocast copy of x: the copy, which autograd holds until the
   // layer's backward and nothing can change, is read with the gradient there, in one launch
   if (plan->input_op.size() == 3 && plan->input_op[0] == 0 && plan->input_op[1] == -1) {

@@ -141,7 +141,10 @@ void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& 
 // one layer_stats call (beside the backward on the side stream where `side`).  The copy
 // cannot change before then (no one else holds it), has half or less of x's bytes, is what
 // the layer multiplied, and costs the forward no launch: under bf16 autocast a
-// transformer's float32 LayerNorm outputs were read in a forward that is host-bound.
+// transformer's float32 LayerNorm outputs were read in a forward that is host-bound.  And
+// where a norm's plan (mean_scale > 0) finds the norm's saved means (tap()'s norm tap: a
+// layer norm given bf16 under autocast computes on a float32 cast), that tap, which reads
+// nothing now, except under saved-tensor hooks (their unpack would run in the forward).
 void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 
 }  // namespace lightning_cafin

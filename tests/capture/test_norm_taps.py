@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_cafin import AdaFisher
+from lightning_cafin.capture import kernels as ck
 from lightning_cafin.capture import taps
 
 from .test_gradient_taps import ext, on_cpu, tap_setting  # noqa: F401  (fixtures)
@@ -253,3 +254,75 @@ def test_norm_stats_names_a_bad_argument(ext):  # noqa: F811
         ext.norm_stats(torch.arange(4), torch.randn(4), 1.0)
     with pytest.raises(RuntimeError, match="means must be 1-D .* or have 3 or more dims"):
         ext.norm_stats(torch.randn(4, 3), torch.randn(3), 1.0)  # as the CUDA op refuses it
+
+
+@pytest.fixture
+def layer_norm_in_float32(on_cpu, monkeypatch):  # noqa: F811
+    """``nn.LayerNorm`` computing in float32 on a bf16 input, as CUDA autocast runs it (a cast,
+    then the norm: bf16 in, float32 out; CPU autocast keeps it in bf16).  The capture hook then
+    reads the input in the forward (``TapPlan.tap_read``): autograd keeps the cast, not it.
+    The extension's CPU reference takes bf16 tensors too."""
+    stand_in = ck.ext_for(torch.zeros(1))
+    monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype in (torch.float32, torch.bfloat16) for v in t) else None)
+    layer_norm = nn.functional.layer_norm
+    monkeypatch.setattr(nn.functional, "layer_norm", lambda x, *args, **kwargs: layer_norm(x.float(), *args, **kwargs))
+
+
+class Bf16Stream(nn.Module):
+    """A token model whose residual stream is bf16 where its layer norm takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.ln = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.ln(self.fc(x).bfloat16()))).mean(1)
+
+
+def token_batches(n):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(4, 3, 4, generator=gen), torch.randint(0, 5, (4,), generator=gen)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_layer_norm_computing_on_a_cast_of_its_input_takes_the_saved_means(layer_norm_in_float32, micro_batches):
+    """Input bf16, output float32: the norm tap (the means autograd saved, read in the
+    backward) instead of a read of the input in the forward; the sums are the Python hooks'
+    (which read the bf16 input: the means were computed from its exact float32 values)."""
+    torch.manual_seed(0)
+    data = token_batches(micro_batches)
+
+    def backwards(m):
+        for x, y in data:
+            nn.functional.cross_entropy(m(x), y).backward()
+
+    sums, opt = sums_both_ways(Bf16Stream(), backwards, names=("ln",))
+    assert norm_taps(opt, "ln") == micro_batches
+    assert_same_sums(sums, micro_batches)
+
+
+def test_under_saved_tensor_hooks_a_cast_layer_norm_is_read_in_the_forward(layer_norm_in_float32):
+    """The saved means belong to the hooks (offloading, checkpointing): taking them in the
+    forward would run their unpack hook there, so the input is read at once, as before."""
+    torch.manual_seed(0)
+    (x, y), = token_batches(1)
+    unpacked_in_forward = []
+
+    def backwards(m):
+        in_forward = [True]
+
+        def unpack(t):
+            if in_forward[0]:
+                unpacked_in_forward.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            loss = nn.functional.cross_entropy(m(x), y)
+        in_forward[0] = False
+        loss.backward()
+
+    sums, opt = sums_both_ways(Bf16Stream(), backwards, names=("ln",))
+    assert norm_taps(opt, "ln") == 0 and not unpacked_in_forward
+    assert_same_sums(sums, 1)
