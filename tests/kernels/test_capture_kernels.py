@@ -1012,6 +1012,51 @@ def test_linear_layers_on_an_autocast_copy_take_it_on_both_paths(ext, impl):
         close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
 
 
+def test_a_layer_norm_on_a_bf16_stream_under_autocast_takes_its_saved_means(ext, impl):
+    """Under bf16 autocast a LayerNorm given bf16 computes in float32 (bf16 in, float32
+    out): the C++ tap takes the norm's saved means and bias gradient (``TapPlan.tap_read``
+    finding the norm tap) rather than reading the input in the forward; over two captures
+    the factors are the Python hooks' (which read the input), as are the first capture's sums."""
+    from lightning_cafin import AdaFisherW
+    from lightning_cafin.capture import taps
+
+    impl("kernels")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 32)).to(DEV)
+    x = torch.randn(4, 32, 64, device=DEV)
+    results, first = {}, {}
+    before = taps.set_enabled(False)
+    try:
+        for tapped in (False, True):
+            taps.set_enabled(tapped)
+            model = copy.deepcopy(base)
+            opt = AdaFisherW(model, lr=1e-3, TCov=1, backend="fused")
+            for step in range(2):
+                opt.zero_grad()
+                with torch.autocast("cuda", torch.bfloat16):
+                    stream = model[0](x)
+                    assert stream.dtype == torch.bfloat16
+                    normed = model[1](stream)
+                    assert normed.dtype == torch.float32
+                    out = model[2](torch.tanh(normed))
+                out.float().square().mean().backward()
+                caps = opt.binding.captures
+                if tapped:
+                    assert sum(p.norm_taps for p in caps["1"].tap_plans.values()) == step + 1
+                if step == 0:
+                    first[tapped] = (caps["1"].pending.h.clone(), caps["1"].pending.s.clone())
+                opt.step()
+            results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
+    finally:
+        taps.set_enabled(before)
+    assert len(results[True]) == 3
+    for got, want in zip(first[True], first[False]):
+        close(got, want, STAT_RTOL)
+    for n in results[False]:
+        close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
+        close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
+
+
 @pytest.mark.parametrize("workload", ["resnet-bf16-channels_last", "gpt-bf16"])
 def test_kept_launches_give_the_general_paths_factors(ext, impl, workload):
     """Capture steps that repeat the previous one take its kept launch (``factors.KeptLaunch``:
