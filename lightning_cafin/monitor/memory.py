@@ -57,6 +57,8 @@ def cuda_allocated_total(device: torch.device) -> int:
 
 class AllocatedMemory:
     """``with AllocatedMemory(device) as m: ...`` then ``m.bytes``: what the span allocated.
+    On a GPU, the bytes of the blocks the caching allocator handed out, which can exceed the
+    requests: it rounds them up, and serves one from a cached block up to 1 MiB larger whole.
 
     Also usable as an explicit ``start()`` / ``stop()`` pair; ``stop()`` is safe to call
     when ``start()`` was not, and always pops what ``start()`` pushed.
