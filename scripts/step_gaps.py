@@ -1,0 +1,162 @@
+"""The main stream's idle time inside synchronised training steps, split by its cause, for a
+normal step and a capture step with its statistics on the side stream and on the current one.
+
+    python scripts/step_gaps.py --workload resnet50
+    python scripts/step_gaps.py --workload gpt --steps 9
+
+Why: a capture step's time above a normal one's is host work or device work, and the two
+call for different changes.  A gap between two kernels of the main stream whose second
+kernel the host launched only after the gap began is host-bound: the stream ran dry while
+the host worked (Python, the taps' planning, launches).  A gap whose next kernel was
+launched before it began is held back on the device: a wait on another stream, or the
+side stream's kernels holding the multiprocessors (reported: the side stream's kernel time
+inside held-back gaps).  On an H100 at 395e903, ResNet-50's capture step on the side stream
+added 2.68 ms of held-back gaps and no host-bound time: its statistics kernels, not the host,
+set its cost; the GPT's added 0.3 ms host-bound and 1.6 ms held back
+(``docs/results/step-gaps-h100-395e903.txt``).
+
+What is timed: the workload's AdaFisher(W) as the bench trains it (a schedule that never
+captures by itself; capture steps asked for with ``capture_next_step``, their stream set as
+the bench sets it), after ``--warmup`` steps of each kind; ``--steps`` of each kind,
+interleaved in rounds, each profiled alone (``torch.profiler``, CUDA activity only: kernels and the runtime calls that
+launched them) between synchronisations; medians.  Gaps under 1 us (back-to-back kernels)
+are not counted.  The figures need a GPU: on a CPU the script says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_cafin.bench.matrix import NEVER, adafisher, capture_stream_set
+from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+
+#: the script's counts: flag -> (default, help)
+COUNTS = {"steps": (5, "profiled steps of each kind"), "warmup": (2, "steps of each kind before them")}
+
+#: gaps shorter than this (us) are the device's own spacing between back-to-back kernels
+MIN_GAP_US = 1.0
+
+#: the figures of one step, in report order: name -> heading
+FIGURES = {
+    "span": "span", "main_busy": "main busy", "main_ours": "main ours", "side_busy": "side busy",
+    "host_bound": "host-bound", "host_gaps": "host gaps", "held_back": "held back", "side_in_held": "side in held",
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a profiled step: device start and end (us), its stream, whether it is
+    the package's, and when the host's runtime call launched it (us; None where unknown)."""
+
+    start: float
+    end: float
+    stream: int
+    ours: bool
+    launched: Optional[float]
+
+
+def split_gaps(kernels: list[Kernel]) -> dict[str, float]:
+    """One step's figures (ms; ``host_gaps`` a count): the main stream (the one with the most
+    kernel time) from its first kernel's start to its last one's end, its busy time and the
+    package's share of it, the other streams' kernel time, and the main stream's gaps split
+    into host-bound (its next kernel launched after the gap began) and held back (launched
+    before: a wait, or the other streams' kernels holding the device), with the other
+    streams' kernel time inside the held-back gaps."""
+    busy: dict[int, float] = {}
+    for k in kernels:
+        busy[k.stream] = busy.get(k.stream, 0.0) + (k.end - k.start)
+    main = max(busy, key=lambda s: busy[s])
+    ours = sorted((k for k in kernels if k.stream == main), key=lambda k: k.start)
+    side = [k for k in kernels if k.stream != main]
+    host = held = side_in_held = 0.0
+    host_gaps = 0
+    end = ours[0].end
+    for k in ours[1:]:
+        gap = k.start - end
+        if gap > MIN_GAP_US:
+            if k.launched is not None and k.launched > end:
+                host += gap
+                host_gaps += 1
+            else:
+                held += gap
+                side_in_held += sum(max(0.0, min(s.end, k.start) - max(s.start, end)) for s in side)
+        end = max(end, k.end)
+    ms = 1e-3
+    return {"span": (end - ours[0].start) * ms, "main_busy": busy[main] * ms,
+            "main_ours": sum(k.end - k.start for k in ours if k.ours) * ms,
+            "side_busy": sum(k.end - k.start for k in side) * ms, "host_bound": host * ms,
+            "host_gaps": float(host_gaps), "held_back": held * ms, "side_in_held": side_in_held * ms}
+
+
+#: the step kinds, in a round's first order: name -> the capture step's stream (None: a normal step)
+KINDS = {"normal": None, "capture, side stream": True, "capture, current stream": False}
+
+
+def profiled_step(trainer, device: torch.device, stream: Optional[bool]) -> list[Kernel]:
+    """One synchronised step (a capture step with its statistics on the side stream where
+    ``stream``, on the current one where False; a normal step where None), its kernels
+    (copies and fills left out) with their launch calls' start times."""
+    torch.cuda.synchronize(device)
+    with contextlib.nullcontext() if stream is None else capture_stream_set(trainer, stream):
+        if stream is not None:
+            trainer.opt.capture_next_step()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.step()
+            torch.cuda.synchronize(device)
+    events = list(prof.profiler.kineto_results.events())
+    on_device = torch.autograd.DeviceType.CUDA
+    launched = {e.correlation_id(): e.start_ns() / 1e3 for e in events
+                if e.device_type() != on_device and e.name().startswith("cuda")}
+    return [Kernel(e.start_ns() / 1e3, e.end_ns() / 1e3, e.device_resource_id(), "lightning_cafin" in e.name(),
+                   launched.get(e.correlation_id()))
+            for e in events if e.device_type() == on_device and not e.name().startswith(("Memcpy", "Memset"))]
+
+
+def table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
+    """The median of each figure per step kind, then each capture step's above the normal one's."""
+    medians = {kind: {f: statistics.median(r[f] for r in runs) for f in FIGURES} for kind, runs in rows.items()}
+    for kind in [k for k in medians if k != "normal"]:
+        medians[f"{kind.split(', ')[1]} - normal"] = {f: medians[kind][f] - medians["normal"][f] for f in FIGURES}
+    width = max(len(k) for k in medians)
+    lines = ["  " + f"{'step':>{width}s}" + "".join(f"{h:>13s}" for h in FIGURES.values())]
+    for kind, m in medians.items():
+        lines.append("  " + f"{kind:>{width}s}" + "".join(f"{m[f]:13.3f}" for f in FIGURES))
+    return lines
+
+
+def report(wl: Workload, device: torch.device, steps: int, warmup: int) -> str:
+    if device.type != "cuda":
+        return (f"workload {wl.name}: the gaps' split needs a CUDA device (kernel start times and the calls that "
+                f"launched them); nothing measured on {device.type}")
+    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER)
+    for _ in range(warmup):
+        for stream in KINDS.values():
+            profiled_step(trainer, device, stream)
+    rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+    order = list(KINDS)
+    for i in range(steps):
+        for kind in order[i % 3:] + order[:i % 3]:  # (each kind first as often as the others)
+            rows[kind].append(split_gaps(profiled_step(trainer, device, KINDS[kind])))
+    del trainer
+    torch.cuda.empty_cache()
+    return "\n".join([f"workload {wl.name}: {wl.description}; the main stream's time in a synchronised step, ms "
+                      f"(host gaps: a count), median of {steps} steps of each kind, interleaved"] + table(rows))
+
+
+def parse(argv: Optional[list[str]]):
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return print_reports(parse(argv), lambda wl, device, a: report(wl, device, a.steps, a.warmup))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
