@@ -10,10 +10,11 @@ kernel the host launched only after the gap began is host-bound: the stream ran 
 the host worked (Python, the taps' planning, launches).  A gap whose next kernel was
 launched before it began is held back on the device: a wait on another stream, or the
 side stream's kernels holding the multiprocessors (reported: the side stream's kernel time
-inside held-back gaps).  On an H100 at 395e903, ResNet-50's capture step on the side stream
-added 2.68 ms of held-back gaps and no host-bound time: its statistics kernels, not the host,
-set its cost; the GPT's added 0.3 ms host-bound and 1.6 ms held back
-(``docs/results/step-gaps-h100-395e903.txt``).
+inside held-back gaps).  On an H100 at 2240a31, ResNet-50's capture step on the side stream
+was 2.14 ms longer than a normal one: 0.73 ms more main-stream kernel time, 1.31 ms more
+held-back gaps (with 1.47 ms of side kernels inside them) and no host-bound time, so its
+statistics kernels, not the host, set its cost; the GPT's 2.17 ms: 0.44 busy, 1.44 held back,
+0.32 host-bound (``docs/results/step-gaps-h100-2240a31.txt``).
 
 What is timed: the workload's AdaFisher(W) as the bench trains it (a schedule that never
 captures by itself; capture steps asked for with ``capture_next_step``, their stream set as
