@@ -137,8 +137,10 @@ struct NormTap final : torch::autograd::FunctionPostHook {
 };
 
 // Register a NormTap where `output` is a training batch norm's or a layer norm's output with
-// a bias that needs its gradient; false (nothing registered) elsewhere.
+// a bias that needs its gradient; false (nothing registered) elsewhere, and under saved-tensor
+// hooks (checkpointing, offloading), whose unpack of the means would run here, in the forward.
 bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output) {
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return false;
   const auto node = output.grad_fn();
   if (node == nullptr || output.output_nr() != 0 || node->num_outputs() < 3 || !node->next_edge(2).is_valid() ||
       output.dim() < 2) {
@@ -320,9 +322,8 @@ void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, c
   TORCH_CHECK(x.defined(), kReadTap, "x must be a tensor");
   // a norm computing on a cast of x (a layer norm given bf16 under autocast runs in float32):
   // its saved means are autograd's, so the norm tap reads nothing in the forward, as tap()'s
-  // does.  Not under saved-tensor hooks (checkpointing, offloading): unpacking the means
-  // now would run their unpack hook in the forward.
-  if (plan->mean_scale > 0.0 && !at::SavedTensorDefaultHooks::get_hooks().has_value() && tap_norm(plan, output)) return;
+  // does (not under saved-tensor hooks: tap_norm)
+  if (plan->mean_scale > 0.0 && tap_norm(plan, output)) return;
   // a Linear-like layer on an autocast copy of x: the copy, which autograd holds until the
   // layer's backward and nothing can change, is read with the gradient there, in one launch
   if (plan->input_op.size() == 3 && plan->input_op[0] == 0 && plan->input_op[1] == -1) {
