@@ -969,18 +969,14 @@ def test_a_linear_on_an_autocast_copy_reads_the_copy_with_its_gradient(ext, side
     close(s, grad.double().square().sum((0, 1)), STAT_RTOL)
 
 
-def test_linear_layers_on_an_autocast_copy_take_it_on_both_paths(ext, impl):
-    """A GPT block's Linear after a float32 LayerNorm computes, under bf16 autocast, on a
-    bf16 copy of its input: the C++ tap (``TapPlan.tap_read``) and the Python hook
-    (``autocast_copy``) both read that copy with the gradient in the backward; over two
-    captures the factors agree, and the first capture's input sums are the copy's."""
+def captures_with_and_without_taps(base, forward, after_backward):
+    """Two capture steps (AdaFisherW, fused, TCov=1) on a copy of ``base`` under bf16 autocast,
+    with the Python hooks, then with the C++ taps: ``forward(model)`` gives the output, whose
+    squares' mean is the loss; ``after_backward(tapped, step, model, captures)`` checks the
+    pending statistics.  Each run's factors: ``{tapped: {layer: (H, S)}}``."""
     from lightning_cafin import AdaFisherW
     from lightning_cafin.capture import taps
 
-    impl("kernels")
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(DEV)
-    x = torch.randn(4, 32, 64, device=DEV)
     results = {}
     before = taps.set_enabled(False)
     try:
@@ -991,25 +987,48 @@ def test_linear_layers_on_an_autocast_copy_take_it_on_both_paths(ext, impl):
             for step in range(2):
                 opt.zero_grad()
                 with torch.autocast("cuda", torch.bfloat16):
-                    out = model(x)
-                assert out.dtype == torch.bfloat16
+                    out = forward(model)
                 out.float().square().mean().backward()
-                caps = opt.binding.captures
-                assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == 3 * tapped
-                if tapped:
-                    assert sum(p.cast_taps for p in caps["1"].tap_plans.values()) == step + 1
-                if step == 0:
-                    with torch.no_grad():
-                        copy_of_input = model[0](x).to(torch.bfloat16).double()
-                    close(caps["1"].pending.h, copy_of_input.square().sum((0, 1)), STAT_RTOL)
+                after_backward(tapped, step, model, opt.binding.captures)
                 opt.step()
             results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
     finally:
         taps.set_enabled(before)
-    assert len(results[True]) == 3
+    return results
+
+
+def assert_same_factors_both_ways(results, layers):
+    assert len(results[True]) == layers
     for n in results[False]:
         close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
         close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
+
+
+def test_linear_layers_on_an_autocast_copy_take_it_on_both_paths(ext, impl):
+    """A GPT block's Linear after a float32 LayerNorm computes, under bf16 autocast, on a
+    bf16 copy of its input: the C++ tap (``TapPlan.tap_read``) and the Python hook
+    (``autocast_copy``) both read that copy with the gradient in the backward; over two
+    captures the factors agree, and the first capture's input sums are the copy's."""
+    impl("kernels")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).to(DEV)
+    x = torch.randn(4, 32, 64, device=DEV)
+
+    def forward(model):
+        out = model(x)
+        assert out.dtype == torch.bfloat16
+        return out
+
+    def after_backward(tapped, step, model, caps):
+        assert sum(c.sink is not None and len(c.sink) == 1 for c in caps.values()) == 3 * tapped
+        if tapped:
+            assert sum(p.cast_taps for p in caps["1"].tap_plans.values()) == step + 1
+        if step == 0:
+            with torch.no_grad():
+                copy_of_input = model[0](x).to(torch.bfloat16).double()
+            close(caps["1"].pending.h, copy_of_input.square().sum((0, 1)), STAT_RTOL)
+
+    assert_same_factors_both_ways(captures_with_and_without_taps(base, forward, after_backward), 3)
 
 
 def test_a_layer_norm_on_a_bf16_stream_under_autocast_takes_its_saved_means(ext, impl):
@@ -1017,44 +1036,29 @@ def test_a_layer_norm_on_a_bf16_stream_under_autocast_takes_its_saved_means(ext,
     out): the C++ tap takes the norm's saved means and bias gradient (``TapPlan.tap_read``
     finding the norm tap) rather than reading the input in the forward; over two captures
     the factors are the Python hooks' (which read the input), as are the first capture's sums."""
-    from lightning_cafin import AdaFisherW
-    from lightning_cafin.capture import taps
-
     impl("kernels")
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 32)).to(DEV)
     x = torch.randn(4, 32, 64, device=DEV)
-    results, first = {}, {}
-    before = taps.set_enabled(False)
-    try:
-        for tapped in (False, True):
-            taps.set_enabled(tapped)
-            model = copy.deepcopy(base)
-            opt = AdaFisherW(model, lr=1e-3, TCov=1, backend="fused")
-            for step in range(2):
-                opt.zero_grad()
-                with torch.autocast("cuda", torch.bfloat16):
-                    stream = model[0](x)
-                    assert stream.dtype == torch.bfloat16
-                    normed = model[1](stream)
-                    assert normed.dtype == torch.float32
-                    out = model[2](torch.tanh(normed))
-                out.float().square().mean().backward()
-                caps = opt.binding.captures
-                if tapped:
-                    assert sum(p.norm_taps for p in caps["1"].tap_plans.values()) == step + 1
-                if step == 0:
-                    first[tapped] = (caps["1"].pending.h.clone(), caps["1"].pending.s.clone())
-                opt.step()
-            results[tapped] = {n: (c.H.clone(), c.S.clone()) for n, c in opt.binding.captures.items()}
-    finally:
-        taps.set_enabled(before)
-    assert len(results[True]) == 3
+    first = {}
+
+    def forward(model):
+        stream = model[0](x)
+        assert stream.dtype == torch.bfloat16
+        normed = model[1](stream)
+        assert normed.dtype == torch.float32
+        return model[2](torch.tanh(normed))
+
+    def after_backward(tapped, step, model, caps):
+        if tapped:
+            assert sum(p.norm_taps for p in caps["1"].tap_plans.values()) == step + 1
+        if step == 0:
+            first[tapped] = (caps["1"].pending.h.clone(), caps["1"].pending.s.clone())
+
+    results = captures_with_and_without_taps(base, forward, after_backward)
     for got, want in zip(first[True], first[False]):
         close(got, want, STAT_RTOL)
-    for n in results[False]:
-        close(results[True][n][0], results[False][n][0], FACTOR_RTOL)
-        close(results[True][n][1], results[False][n][1], FACTOR_RTOL)
+    assert_same_factors_both_ways(results, 3)
 
 
 @pytest.mark.parametrize("workload", ["resnet-bf16-channels_last", "gpt-bf16"])
