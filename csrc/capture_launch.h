@@ -158,12 +158,32 @@ struct SumsqItem {
   float* maps;
 };
 
+// Phase 2 folded into phase 1's launch (WindowFold): maps in (H, W, C) order of one group,
+// kernels of at most 3 x 3, and C dividing phase 1's block of kRowsBlock * V elements (or a
+// multiple of kRowsBlock dividing it), so that each of phase 1's blocks holds whole
+// positions of the map.  The last of a block's nsplit splits to finish sums their partial
+// maps at its positions (split order), adds each value to the taps whose window covers it
+// (position order within the block), and writes its partial window sums; the last block
+// of each group of kFoldGroup blocks to finish sums theirs in block order, and the last
+// group's sums the groups' in group order.  No second launch: its
+// latency-bound phase 2 took 10-18 us a convolution in a ResNet-50 capture step on the
+// H200, as long as phase 1 itself for the 7 x 7 and 14 x 14 layers.
+constexpr int kFoldGroup = 8;
+struct WindowFold {
+  ConvInputArgs a;
+  int posblocks;       // phase 1's blocks along M (its blocks_x)
+  float* cols;         // window_fold_cols floats: the blocks' partial sums, then the groups'
+  unsigned* counters;  // window_fold_slots zeroed slots: a block's splits, the groups, the last
+  float* dst;          // K = C * kh * kw sums
+};
+
 // A launch of phase 1 and a rows read: blocks [0, sumsq_blocks) are phase 1's, the rest
-// the rows item's.
+// the rows item's (none for phase 1 alone); `fold` is read only by the folded launch.
 struct SumsqAndRows {
   SumsqItem sumsq;
   int sumsq_blocks;
   RowsItem rows;
+  WindowFold fold;
 };
 
 // A launch of phase 1 and a channel_middle read (blocks of kCaptureBlock threads): blocks
@@ -207,6 +227,26 @@ bool conv_pairs_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int 
 cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit,
                                                   WindowChunks chunks, float* maps, float* ws_cols, unsigned* counters,
                                                   float* out, const ChannelLaunch& g, cudaStream_t stream);
+
+// The largest kernel side (1 or 3) of a convolution whose phase 2 folds into phase 1's
+// launch (WindowFold) for an input of `element_size` bytes, or 0 where it does not fold.
+int window_fold_side(const ConvInputArgs& a, int element_size);
+// Counter slots a folded launch takes: one per phase-1 block along M when the batch is
+// split, one more when there are several such blocks.
+int64_t window_fold_slots(const ConvInputArgs& a, int element_size, int nsplit);
+// Phase 1's blocks along M in a folded launch, and the floats of its partial sums.
+int64_t window_fold_blocks_x(const ConvInputArgs& a, int element_size);
+int64_t window_fold_cols(const ConvInputArgs& a, int element_size);
+
+// A convolution's input statistics in one launch (WindowFold), with its output gradient's
+// rows read `g` in the same launch where g is not null.  maps: nsplit * C*H*W floats
+// (nsplit > 1), cols: window_fold_cols floats, counters:
+// window_fold_slots zeroed slots, disjoint from g's; out: K floats.  Only where
+// window_fold_side is not 0, and for g where conv_folds_with_gradient.
+bool conv_folds_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g);
+cudaError_t launch_conv_input_stats_folded(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, float* maps,
+                                           float* cols, unsigned* counters, float* out, const ChannelLaunch* g,
+                                           cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // A norm's statistics from what its backward already has (capture_tap.h's NormTap), one

@@ -100,6 +100,8 @@ struct ConvPlan {
   int64_t n_out = 0, n_maps = 0, n_cols = 0;
   int nsplit = 1;
   WindowChunks chunks{};
+  bool fold = false;       // phase 2 folded into phase 1's launch (capture_launch.h, WindowFold)
+  int64_t n_slots = 0;     // the counter slots its launches take
   unsigned* counters = nullptr;
   bool zeros = false;
   int64_t n_ws() const { return n_maps + n_cols; }
@@ -194,6 +196,24 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   const int64_t target = 2 * static_cast<int64_t>(capture_sm_count());
   const int64_t vec = 16 / static_cast<int64_t>(p.x.element_size());
   const int64_t blocks_x = ceil_div(ceil_div(M, vec), kCaptureBlock);
+  // Phase 2 folded into phase 1's launch where it can be: the batch split as for two
+  // launches, but into at most kFoldMostSplits maps, which the last split of each of
+  // phase 1's blocks sums at the end of the launch (a shared launch's gradient read keeps
+  // the device busy beside the fewer blocks).
+  constexpr int64_t kFoldMostSplits = 16;
+  const int element_size = static_cast<int>(p.x.element_size());
+  if (window_fold_side(a, element_size) != 0) {
+    const int nsplit = static_cast<int>(clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, kFoldMostSplits)));
+    const int64_t slots = window_fold_slots(a, element_size, nsplit);
+    if (slots == 0 || (p.counters = counter_slots(p.x, slots)) != nullptr) {
+      p.fold = true;
+      p.nsplit = nsplit;
+      p.n_slots = slots;
+      p.n_maps = nsplit > 1 ? nsplit * M : 0;
+      p.n_cols = window_fold_cols(a, element_size);
+      return p;
+    }
+  }
   p.nsplit = static_cast<int>(clamp64(ceil_div(target, blocks_x), 1, std::min<int64_t>(B, 64)));
   const WindowSumsShape phase2 = window_sums_shape(a);
   const int64_t positions = clamp64(ceil_div(target, phase2.blocks_x), 1,
@@ -205,6 +225,7 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
                     std::max<int64_t>(1, std::min(p.nsplit / kMapsPerGroup, kMaxChunks / positions)));
   p.chunks = {static_cast<int>(positions), static_cast<int>(map_groups)};
   if (p.chunks.count() > 1 && (p.counters = counter_slots(p.x, K)) == nullptr) p.chunks = {};
+  p.n_slots = p.counters != nullptr ? K : 0;
   // the workspace: the batch-split partial maps (the map itself when nsplit == 1), then
   // the chunks' partials
   p.n_maps = p.nsplit * M;
@@ -213,6 +234,12 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
 }
 
 void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
+  if (p.fold) {
+    check_launch(launch_conv_input_stats_folded(p.a, p.x.scalar_type(), p.nsplit, p.n_maps ? ws : nullptr,
+                                                p.n_cols ? ws + p.n_maps : nullptr, p.counters, out, nullptr, stream),
+                 kConv);
+    return;
+  }
   check_launch(launch_conv_input_stats(p.a, p.x.scalar_type(), p.nsplit, p.chunks, ws,
                                        p.n_cols ? ws + p.n_maps : nullptr, p.counters, out, stream),
                kConv);
@@ -384,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   // Both plans take counter slots from the stream's one pool, which planning the second
   // may have grown into a new tensor (it held too few slots): the first takes its slots
   // again, from the pool as it now is (big enough for both, so nothing grows).
-  if (conv && pc.counters != nullptr) pc.counters = counter_slots(pc.x, pc.n_out);
+  if (conv && pc.counters != nullptr) pc.counters = counter_slots(pc.x, pc.n_slots);
   if (!conv && px.counters != nullptr) px.counters = counter_slots(px.t, px.n_out);
   const int64_t nh = conv ? pc.n_out : px.n_out, wh = conv ? pc.n_ws() : px.n_ws;
   const bool h_zeros = conv ? pc.zeros : px.zeros;
@@ -417,7 +444,28 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   // A convolution: its input's phase 1 and its gradient's read in one launch where one
   // kernel reads both (then phase 2), a launch fewer.  The gradient's counter slots are used
   // before phase 2's, one launch after the other, so they may be the same.
-  if (conv && !h_zeros && !pg.zeros) {
+  // With phase 2 folded in (pc.fold), the input's statistics and the gradient's read are
+  // one launch where one kernel reads both: their counters are then live together, so
+  // they take disjoint slots (as a linear layer's pair above; else one launch each, below).
+  if (conv && pc.fold && !h_zeros && !pg.zeros) {
+    ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
+    if (conv_folds_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
+      unsigned* fold_slots = pc.counters;
+      const bool both = pc.n_slots > 0 && lg.counters != nullptr;
+      unsigned* const slots = both ? counter_slots(pc.x, pc.n_slots + pg.n_out) : nullptr;
+      if (!both || slots != nullptr) {
+        if (both) {
+          fold_slots = slots;
+          lg.counters = slots + pc.n_slots;
+        }
+        check_launch(launch_conv_input_stats_folded(pc.a, pc.x.scalar_type(), pc.nsplit, pc.n_maps ? w : nullptr,
+                                                    pc.n_cols ? w + pc.n_maps : nullptr, fold_slots, o, &lg, stream),
+                     kLayer);
+        return {h, s};
+      }
+    }
+  }
+  if (conv && !pc.fold && !h_zeros && !pg.zeros) {
     const ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
     if (conv_pairs_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
       check_launch(launch_conv_input_stats_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, pc.chunks, w,

@@ -172,16 +172,16 @@ __device__ float block_sum(float v, float* smem /* >= 32 floats */) {
 // row) for one split of the batch; its own kernel below, or a launch it shares with a
 // gradient's read.
 // ---------------------------------------------------------------------------
+// The thread's V sums of phase 1 (zeros, and false, past M).
 template <typename T, int V, int kThreads>
-__device__ __forceinline__ void batch_sumsq_block(const T* __restrict__ x, int64_t batch_stride, int64_t B, int64_t M,
-                                                  int nsplit, float* __restrict__ dst, int64_t bx, int split) {
-  const int64_t i = (bx * kThreads + threadIdx.x) * V;
-  if (i >= M) return;
-  const Range rb = split_range(B, nsplit, split);
-  const int64_t b0 = rb.lo, b1 = rb.hi;
-  float acc[V];
+__device__ __forceinline__ bool batch_sumsq_values(const T* __restrict__ x, int64_t batch_stride, int64_t B, int64_t M,
+                                                   int nsplit, int64_t bx, int split, float (&acc)[V]) {
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  const int64_t i = (bx * kThreads + threadIdx.x) * V;
+  if (i >= M) return false;
+  const Range rb = split_range(B, nsplit, split);
+  const int64_t b0 = rb.lo, b1 = rb.hi;
   const T* p = x + b0 * batch_stride + i;
   int64_t b = b0;
   // kRowsInFlight rows' loads issued before any is summed: one 16-byte load per thread
@@ -202,7 +202,15 @@ __device__ __forceinline__ void batch_sumsq_block(const T* __restrict__ x, int64
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = fmaf(u[j], u[j], acc[j]);
   }
-  float* out = dst + static_cast<int64_t>(split) * M + i;
+  return true;
+}
+
+template <typename T, int V, int kThreads>
+__device__ __forceinline__ void batch_sumsq_block(const T* __restrict__ x, int64_t batch_stride, int64_t B, int64_t M,
+                                                  int nsplit, float* __restrict__ dst, int64_t bx, int split) {
+  float acc[V];
+  if (!batch_sumsq_values<T, V, kThreads>(x, batch_stride, B, M, nsplit, bx, split, acc)) return;
+  float* out = dst + static_cast<int64_t>(split) * M + (bx * kThreads + threadIdx.x) * V;
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = acc[j];
 }
@@ -314,13 +322,13 @@ __device__ __forceinline__ void add_positions_to_taps(const float* __restrict__ 
 // item take every groups-th chunk (sum_partials: their loads in flight together; a serial
 // sum of 64 chunks was most of a 1 x 1 layer's time), then the groups are added in order
 // (deterministic).  `column(t, col)` gives item t's column, false past the last one;
-// smem holds at least kCaptureBlock floats.
-template <typename Column>
+// smem holds at least kThreads floats (the block's threads).
+template <int kThreads = kCaptureBlock, typename Column>
 __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chunks, int items, int64_t K,
                                     Column column, float* smem, float* __restrict__ dst) {
-  const int groups = items >= kCaptureBlock ? 1 : kCaptureBlock / items;
+  const int groups = items >= kThreads ? 1 : kThreads / items;
   __syncthreads();  // every thread is done with what the block kept in smem
-  for (int t = threadIdx.x; t < items * groups; t += kCaptureBlock) {
+  for (int t = threadIdx.x; t < items * groups; t += kThreads) {
     const int item = t % items, g = t / items;
     int64_t col;
     float part = 0.f;
@@ -331,7 +339,7 @@ __device__ void sum_chunks_in_order(const float* __restrict__ partials, int chun
     smem[t] = part;
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < items; t += kCaptureBlock) {
+  for (int t = threadIdx.x; t < items; t += kThreads) {
     int64_t col;
     if (!column(t, col)) continue;
     float total = 0.f;
@@ -781,6 +789,179 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
   const int b = static_cast<int>(blockIdx.x);
   if (b < job.sumsq_blocks) {
     sumsq_item_block<T, kRowsBlock>(job.sumsq, b);
+  } else {
+    channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(job.rows, b - job.sumsq_blocks, smem);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Phase 2 folded into phase 1's launch (capture_launch.h, WindowFold).
+// ---------------------------------------------------------------------------
+// The fold's last block: dst[col] = the posblocks' partial sums of column col added in
+// block order, for every col < K (several threads a column where the columns are fewer
+// than the threads: sum_chunks_in_order).  smem holds at least kThreads floats.
+template <int kThreads>
+__device__ void sum_blocks_in_order(const float* __restrict__ cols, int n, int64_t K, float* smem,
+                                    float* __restrict__ dst) {
+  if (K >= kThreads) {
+    // a thread's columns two at a time, eight blocks' partials of each in flight: one
+    // column's loads at a time left a 7 x 7 layer's last block (4608 columns of 7
+    // blocks) a chain of dependent L2 round trips per column
+    for (int64_t c = threadIdx.x; c < K; c += 2 * kThreads) {
+      const int64_t c1 = c + kThreads < K ? c + kThreads : c;  // (past K: re-reads c, written nowhere)
+      float a0 = 0.f, a1 = 0.f;
+      for (int k = 0; k < n; k += kChainLoads) {
+        float u0[kChainLoads], u1[kChainLoads];
+#pragma unroll
+        for (int j = 0; j < kChainLoads; ++j) {
+          const int64_t row = static_cast<int64_t>(k + j < n ? k + j : k) * K;  // (past n: re-reads k, added nowhere)
+          u0[j] = __ldcg(cols + row + c);
+          u1[j] = __ldcg(cols + row + c1);
+        }
+#pragma unroll
+        for (int j = 0; j < kChainLoads; ++j) {
+          if (k + j < n) {
+            a0 += u0[j];
+            a1 += u1[j];
+          }
+        }
+      }
+      dst[c] = a0;
+      if (c + kThreads < K) dst[c + kThreads] = a1;
+    }
+    return;
+  }
+  const auto column = [](int t, int64_t& col) {
+    col = t;
+    return true;
+  };
+  sum_chunks_in_order<kThreads>(cols, n, static_cast<int>(K), K, column, smem, dst);
+}
+
+// Block b of phase 1 with its windows folded in: position block bx = b % blocks_x (P
+// whole positions of the map, E = kRowsBlock * V elements) of split b / blocks_x.  smem
+// holds at least kRowsBlock * max(V, MAXK * MAXK) floats, and E + P at least (P <= kRowsBlock).
+template <typename T, int MAXK>
+__device__ void sumsq_fold_block(const SumsqItem& s, const WindowFold& f, int b, float* smem) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  constexpr int kTaps = MAXK * MAXK;
+  constexpr int E = kRowsBlock * V;
+  const int bx = b % s.blocks_x, split = b / s.blocks_x;
+  const int64_t M = s.M;
+  const int64_t i = (static_cast<int64_t>(bx) * kRowsBlock + threadIdx.x) * V;
+  float v[V];
+  const bool live = batch_sumsq_values<T, V, kRowsBlock>(static_cast<const T*>(s.x), s.batch_stride, s.B, M, s.nsplit,
+                                                         bx, split, v);
+  if (s.nsplit > 1) {
+    if (live) {
+      float* out = s.maps + static_cast<int64_t>(split) * M + i;
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[j] = v[j];
+    }
+    if (!finished_last(f.counters + bx, s.nsplit)) return;
+    // the last split to finish: the batch's sums at the block's elements, split by split
+    // in order, four splits' loads in flight (read through L2: other blocks wrote them)
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = 0.f;
+    if (live) {
+      const float* m = s.maps + i;
+      for (int k = 0; k < s.nsplit; k += 4) {
+        float4 u[4][V / 4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int64_t at = static_cast<int64_t>(k + q < s.nsplit ? k + q : k) * M;  // (past the last: re-read, added nowhere)
+#pragma unroll
+          for (int w = 0; w < V / 4; ++w) u[q][w] = __ldcg(reinterpret_cast<const float4*>(m + at) + w);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (k + q >= s.nsplit) break;
+#pragma unroll
+          for (int w = 0; w < V / 4; ++w) {
+            v[4 * w] += u[q][w].x;
+            v[4 * w + 1] += u[q][w].y;
+            v[4 * w + 2] += u[q][w].z;
+            v[4 * w + 3] += u[q][w].w;
+          }
+        }
+      }
+    }
+  }
+  // the block's map values as smem[p * C + c] (p: its positions, in order; zeros past M),
+  // and after them each position's covering taps (tap_masks: rows in bits 0-7, columns
+  // above), found once a position rather than once a channel
+  const ConvInputArgs& a = f.a;
+  const int C = static_cast<int>(a.C), taps = a.kh * a.kw, W = static_cast<int>(a.W);
+  const int64_t K = static_cast<int64_t>(C) * taps;
+  const int P = E / C;
+  const int64_t pos0 = static_cast<int64_t>(bx) * P, HW = a.H * a.W;
+  unsigned* const masks = reinterpret_cast<unsigned*>(smem + E);
+#pragma unroll
+  for (int j = 0; j < V; ++j) smem[threadIdx.x * V + j] = v[j];
+  if (static_cast<int>(threadIdx.x) < P) {
+    const int64_t pos = pos0 + threadIdx.x;
+    unsigned rows = 0u, cols = 0u;
+    if (pos < HW) {
+      const int y = static_cast<int>(pos / W), x = static_cast<int>(pos - static_cast<int64_t>(y) * W);
+      if (!tap_masks<MAXK>(a, y, x, rows, cols)) rows = cols = 0u;
+    }
+    masks[threadIdx.x] = rows | (cols << 8);
+  }
+  __syncthreads();
+  // thread (g, cl) adds positions g, g + G, ... of channel c0 + cl to the taps covering them
+  const int Cw = C < kRowsBlock ? C : kRowsBlock, G = kRowsBlock / Cw;
+  const int g = static_cast<int>(threadIdx.x) / Cw, cl = static_cast<int>(threadIdx.x) % Cw;
+  float* const cols_out = f.posblocks > 1 ? f.cols + static_cast<int64_t>(bx) * K : f.dst;
+  for (int c0 = 0; c0 < C; c0 += Cw) {  // (one pass where C <= kRowsBlock)
+    float acc[kTaps];
+#pragma unroll
+    for (int t = 0; t < kTaps; ++t) acc[t] = 0.f;
+    for (int p = g; p < P; p += G) {
+      const unsigned mk = masks[p];
+      add_to_taps<MAXK>(acc, mk & 0xffu, mk >> 8, smem[p * C + c0 + cl]);
+    }
+    if (G == 1) {  // the thread has its channel's whole sums over the block
+      for (int t = 0; t < taps; ++t) cols_out[static_cast<int64_t>(c0 + cl) * taps + t] = acc[(t / a.kw) * MAXK + t % a.kw];
+      continue;
+    }
+    // G groups of the block's positions: their sums as smem[(g * taps + tap) * C + cl],
+    // added in group order
+    __syncthreads();  // every thread has read the map values and masks it adds
+    for (int t = 0; t < taps; ++t) smem[(g * taps + t) * C + cl] = acc[(t / a.kw) * MAXK + t % a.kw];
+    __syncthreads();
+    for (int it = threadIdx.x; it < C * taps; it += kRowsBlock) {
+      const int c = it % C, t = it / C;
+      float total = 0.f;
+      for (int q = 0; q < G; ++q) total += smem[(q * taps + t) * C + c];
+      cols_out[static_cast<int64_t>(c) * taps + t] = total;
+    }
+  }
+  if (f.posblocks == 1) return;
+  // the blocks' partial sums in two levels, each a last block's: groups of kFoldGroup
+  // blocks, then the groups (one last block summing every block's was a chain of L2 round
+  // trips as long as phase 2 had been)
+  const int groups = (f.posblocks + kFoldGroup - 1) / kFoldGroup, grp = bx / kFoldGroup;
+  const int first = grp * kFoldGroup, count = min(kFoldGroup, f.posblocks - first);
+  unsigned* const group_counters = f.counters + (s.nsplit > 1 ? f.posblocks : 0);
+  float* const group_cols = f.cols + static_cast<int64_t>(f.posblocks) * K;
+  if (!finished_last(group_counters + grp, count)) return;
+  sum_blocks_in_order<kRowsBlock>(f.cols + first * K, count, K, smem,
+                                  groups > 1 ? group_cols + static_cast<int64_t>(grp) * K : f.dst);
+  if (groups == 1 || !finished_last(group_counters + groups, groups)) return;
+  sum_blocks_in_order<kRowsBlock>(group_cols, groups, K, smem, f.dst);
+}
+
+// Phase 1 and its windows (WindowFold), with a gradient's rows read in the same launch
+// where job.rows has blocks: a convolution's input statistics and its gradient's in one
+// launch.  Two blocks an SM (the rows read's occupancy, whose registers this kernel's
+// other branch must not raise).
+template <typename T, int MAXK>
+__global__ void __launch_bounds__(kRowsBlock, 2) sumsq_windows_and_rows_kernel(const __grid_constant__ SumsqAndRows job) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  __shared__ float smem[kRowsBlock * (V > MAXK * MAXK ? V : MAXK * MAXK) + kRowsBlock];
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < job.sumsq_blocks) {
+    sumsq_fold_block<T, MAXK>(job.sumsq, job.fold, b, smem);
   } else {
     channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(job.rows, b - job.sumsq_blocks, smem);
   }
@@ -1247,6 +1428,75 @@ cudaError_t launch_conv_input_stats_with_gradient(const ConvInputArgs& a, at::Sc
   });
   if (err != cudaSuccess) return err;
   return launch_window_sums(a, nsplit, chunks, maps, ws_cols, counters, out, stream);
+}
+
+int window_fold_side(const ConvInputArgs& a, int element_size) {
+  const int64_t V = 16 / element_size, E = kRowsBlock * V, C = a.C, M = a.C * a.H * a.W;
+  if (!a.map_hwc || a.groups != 1 || a.kh > 3 || a.kw > 3 || C < 1 || M > std::numeric_limits<int32_t>::max()) return 0;
+  if (V < 4 || M == 0 || a.B == 0 || !sumsq_reads_vectors(a, M, V)) return 0;  // (16-byte reads, float4 map sums)
+  // whole positions in each of phase 1's blocks, at most one a thread (C >= V), and its
+  // threads laid over whole channels
+  const bool whole = C <= kRowsBlock ? kRowsBlock % C == 0 && C >= V : C % kRowsBlock == 0 && E % C == 0;
+  if (!whole) return 0;
+  // and a block's partial window sums (C * taps) at most a quarter of its map values: on an
+  // H100 in a ResNet-50 capture step, folding its 64- and 128-channel 3 x 3 and its 1 x 1
+  // strided layers took 4-15 us a layer off their two launches, while the 256- and
+  // 512-channel 3 x 3 layers (partial sums 0.56 and 1.1 times the map values, which the
+  // last blocks read again) took as long or up to 12 us longer
+  if (C * a.kh * a.kw * 4 > E) return 0;
+  return a.kh == 1 && a.kw == 1 ? 1 : 3;
+}
+
+int64_t window_fold_blocks_x(const ConvInputArgs& a, int element_size) {
+  return sumsq_blocks_x(a.C * a.H * a.W, element_size, kRowsBlock);
+}
+
+int64_t window_fold_slots(const ConvInputArgs& a, int element_size, int nsplit) {
+  const int64_t blocks_x = window_fold_blocks_x(a, element_size);
+  const int64_t groups = (blocks_x + kFoldGroup - 1) / kFoldGroup;
+  return (nsplit > 1 ? blocks_x : 0) + (blocks_x > 1 ? groups : 0) + (groups > 1 ? 1 : 0);
+}
+
+int64_t window_fold_cols(const ConvInputArgs& a, int element_size) {
+  const int64_t blocks_x = window_fold_blocks_x(a, element_size);
+  const int64_t groups = (blocks_x + kFoldGroup - 1) / kFoldGroup, K = (a.C / a.groups) * a.kh * a.kw;
+  return blocks_x > 1 ? (blocks_x + (groups > 1 ? groups : 0)) * K : 0;
+}
+
+bool conv_folds_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
+  if (g.dtype != dtype || !g.rows_kernel) return false;
+  const int size = static_cast<int>(c10::elementSize(dtype));
+  if (window_fold_side(a, size) == 0 || channel_rows_shape(g.a, size).read != RowsRead::kVector) return false;
+  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
+  return fits_launch(window_fold_blocks_x(a, size) * nsplit + sg.tiles * g.nsplit);
+}
+
+cudaError_t launch_conv_input_stats_folded(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, float* maps,
+                                           float* cols, unsigned* counters, float* out, const ChannelLaunch* g,
+                                           cudaStream_t stream) {
+  const int size = static_cast<int>(c10::elementSize(dtype));
+  const int side = window_fold_side(a, size);
+  if (side == 0 || (g != nullptr && !conv_folds_with_gradient(a, dtype, nsplit, *g))) return cudaErrorInvalidValue;
+  SumsqAndRows job{};
+  job.sumsq = sumsq_item(a, nsplit, maps, size, kRowsBlock);
+  job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
+  job.fold = {a, job.sumsq.blocks_x, cols, counters, out};
+  int64_t blocks = static_cast<int64_t>(job.sumsq.blocks_x) * nsplit;
+  if (g != nullptr) {
+    const ChannelRowsShape sg = channel_rows_shape(g->a, size);
+    job.rows = rows_item(*g, sg);
+    blocks += sg.tiles * g->nsplit;
+  }
+  if (!fits_launch(blocks)) return cudaErrorInvalidConfiguration;
+  return dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (side == 1) {
+      sumsq_windows_and_rows_kernel<T, 1><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    } else {
+      sumsq_windows_and_rows_kernel<T, 3><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    }
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, float c_new, int32_t* nan_flags,

@@ -196,6 +196,38 @@ def test_conv_input_stats_channels_last_bf16_wide_map(ext, impl):
     close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "B,C,H,W,conv",
+    [
+        (1, 64, 7, 7, dict(kernel_size=3, padding=1)),  # one split, one part-filled block
+        (8, 8, 72, 72, dict(kernel_size=3, padding=1)),  # a position a thread (bf16), several groups of blocks
+        (96, 64, 7, 7, dict(kernel_size=3, padding=1)),  # several splits into one block
+        (40, 16, 23, 19, dict(kernel_size=3, stride=2, padding=1)),  # many blocks, a part-filled last one
+        (33, 128, 9, 9, dict(kernel_size=(1, 3), padding=(0, 2), dilation=(1, 2))),
+        (17, 32, 12, 12, dict(kernel_size=2, stride=2)),  # no padding, taps that skip rows
+        (20, 256, 6, 6, dict(kernel_size=1, stride=2)),  # 1 x 1: the one-tap fold
+        (9, 512, 5, 5, dict(kernel_size=1, padding=1)),  # a thread a channel, taps past every edge
+        (6, 1024, 4, 4, dict(kernel_size=1, stride=2)),  # 2-byte inputs: two channels a thread
+    ],
+)
+def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, conv):
+    """channels_last inputs of one group whose window sums fold into phase 1's launch
+    (capture_launch.h, WindowFold): one split and several, one block along the map and
+    many in several groups, part-filled blocks, every kernel shape up to 3 x 3 with
+    strides, dilation and padding, and channels from a position a thread to two channels
+    a thread (every case folds for 2-byte inputs; float32 ones whose blocks' partial sums
+    would pass a quarter of their map values take the two launches); against the
+    float64 rule, and a second call equal to the first bit for bit (the last blocks'
+    counters are back at zero, and the order of the sums is the plan's, not the blocks')."""
+    m = nn.Conv2d(C, 4, bias=False, **conv).to(DEV)
+    x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
+    h, _ = kernel_rule(impl, m, x, "in")
+    again, _ = kernel_rule(impl, m, x, "in")
+    close(h, torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+    assert torch.equal(h, again)
+
+
 def test_conv_unbatched_input_and_other_padding_modes_fall_back(ext, impl):
     m = nn.Conv2d(3, 4, 3, padding=1).to(DEV)
     x = randn((3, 8, 8))  # unbatched
@@ -592,12 +624,13 @@ def test_layer_stats_results_are_vectors_of_their_own(ext, impl, name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["conv3x3_channels_last", "conv3x3_channels_last_wide", "conv3x3_wide"])
-def test_a_convolution_takes_two_launches(ext, name, dtype):
-    """Its input's phase 1 and its gradient's per-channel read share one launch
-    (``sumsq_and_rows_kernel`` for channels_last, ``sumsq_and_middle_kernel`` for NCHW),
-    then phase 2 (the window sums): two kernels where the input's two phases and the
-    gradient's read took three (a launch is host time in a capture step's backward); the
-    sums are ``test_layer_stats_equals_the_two_partials``'."""
+def test_a_convolutions_statistics_take_one_launch_or_two(ext, name, dtype):
+    """channels_last, where phase 2 folds: its input's two phases and its gradient's
+    per-channel read in one launch (``sumsq_windows_and_rows_kernel``); otherwise phase 1
+    and the gradient's read share one launch (``sumsq_and_rows_kernel``, NCHW
+    ``sumsq_and_middle_kernel``), then phase 2 (the window sums).  A launch is host time in a capture step's backward, and a
+    latency-bound phase 2 of its own was device time; the sums are
+    ``test_layer_stats_equals_the_two_partials``'."""
     from torch.profiler import ProfilerActivity, profile
 
     make, shape, layout = FUSED_LAYERS[name]
@@ -610,9 +643,16 @@ def test_a_convolution_takes_two_launches(ext, name, dtype):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "lightning_cafin" in e.name]
-    assert len(kernels) == 2, kernels
-    paired = "sumsq_and_rows_kernel" if layout == "channels_last" else "sumsq_and_middle_kernel"
-    assert paired in kernels[0] and "window_sums" in kernels[1], kernels
+    # (the fold's rule, capture_stats.cu's window_fold_side: a block of 512 threads reading
+    # 16 bytes each, whose partial window sums are at most a quarter of its map values)
+    taps = module.kernel_size[0] * module.kernel_size[1]
+    folds = layout == "channels_last" and 4 * module.in_channels * taps <= 512 * (16 // x.element_size())
+    if folds:
+        assert len(kernels) == 1 and "sumsq_windows_and_rows_kernel" in kernels[0], kernels
+    else:
+        paired = "sumsq_and_rows_kernel" if layout == "channels_last" else "sumsq_and_middle_kernel"
+        assert len(kernels) == 2, kernels
+        assert paired in kernels[0] and "window_sums" in kernels[1], kernels
 
 
 def test_layer_stats_dispatches_no_op_of_its_own(ext):
