@@ -1438,12 +1438,13 @@ int window_fold_side(const ConvInputArgs& a, int element_size) {
   // threads laid over whole channels
   const bool whole = C <= kRowsBlock ? kRowsBlock % C == 0 && C >= V : C % kRowsBlock == 0 && E % C == 0;
   if (!whole) return 0;
-  // and a block's partial window sums (C * taps) at most a quarter of its map values: on an
-  // H100 in a ResNet-50 capture step, folding its 64- and 128-channel 3 x 3 and its 1 x 1
-  // strided layers took 4-15 us a layer off their two launches, while the 256- and
-  // 512-channel 3 x 3 layers (partial sums 0.56 and 1.1 times the map values, which the
-  // last blocks read again) took as long or up to 12 us longer
-  if (C * a.kh * a.kw * 4 > E) return 0;
+  // and a block's partial window sums (C * taps) at most half its map values: on an H100
+  // in a ResNet-50 capture step, folding its 64- and 128-channel 3 x 3 layers and its 1 x 1
+  // strided ones (partial sums 0.06 to 0.28 times the map values) took 4-16 us a layer off
+  // their two launches, while its 256- and 512-channel 3 x 3 layers (0.56 and 1.1 times:
+  // the last blocks read them again) took as long, or up to 12 us longer
+  // (docs/results/ab-window-fold-h100-b07805c.txt)
+  if (C * a.kh * a.kw * 2 > E) return 0;
   return a.kh == 1 && a.kw == 1 ? 1 : 3;
 }
 
