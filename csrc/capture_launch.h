@@ -159,15 +159,17 @@ struct SumsqItem {
 };
 
 // Phase 2 folded into phase 1's launch (WindowFold): maps in (H, W, C) order of one group,
-// kernels of at most 3 x 3, and C dividing phase 1's block of kRowsBlock * V elements (or a
-// multiple of kRowsBlock dividing it), so that each of phase 1's blocks holds whole
-// positions of the map.  The last of a block's nsplit splits to finish sums their partial
-// maps at its positions (split order), adds each value to the taps whose window covers it
-// (position order within the block), and writes its partial window sums; the last block
+// kernels of at most 3 x 3, and C dividing kRowsBlock (and at least V) or a multiple of
+// kRowsBlock dividing phase 1's block of kRowsBlock * V elements, so that each of phase 1's
+// blocks holds whole positions of the map.  The last of a block's nsplit splits to finish
+// sums their partial maps at its positions (split order), adds each value to the taps
+// whose window covers it (in a fixed order within the block), and writes its partial
+// window sums; the last block
 // of each group of kFoldGroup blocks to finish sums theirs in block order, and the last
-// group's sums the groups' in group order.  No second launch: its
-// latency-bound phase 2 took 10-18 us a convolution in a ResNet-50 capture step on the
-// H200, as long as phase 1 itself for the 7 x 7 and 14 x 14 layers.
+// group's sums the groups' in group order.  No second launch: a latency-bound phase 2 of
+// its own took 10-19 us a convolution in a ResNet-50 capture step.  Folded only where a
+// block's partial window sums are at most half its map values (window_fold_side): beyond,
+// the last blocks' reads of them cost more than the launch saved.
 constexpr int kFoldGroup = 8;
 struct WindowFold {
   ConvInputArgs a;

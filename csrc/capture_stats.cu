@@ -804,9 +804,8 @@ template <int kThreads>
 __device__ void sum_blocks_in_order(const float* __restrict__ cols, int n, int64_t K, float* smem,
                                     float* __restrict__ dst) {
   if (K >= kThreads) {
-    // a thread's columns two at a time, eight blocks' partials of each in flight: one
-    // column's loads at a time left a 7 x 7 layer's last block (4608 columns of 7
-    // blocks) a chain of dependent L2 round trips per column
+    // a thread's columns two at a time, eight blocks' partials of each in flight (a
+    // column at a time, its few loads would be a round trip to L2 a column in sequence)
     for (int64_t c = threadIdx.x; c < K; c += 2 * kThreads) {
       const int64_t c1 = c + kThreads < K ? c + kThreads : c;  // (past K: re-reads c, written nowhere)
       float a0 = 0.f, a1 = 0.f;
@@ -938,8 +937,9 @@ __device__ void sumsq_fold_block(const SumsqItem& s, const WindowFold& f, int b,
   }
   if (f.posblocks == 1) return;
   // the blocks' partial sums in two levels, each a last block's: groups of kFoldGroup
-  // blocks, then the groups (one last block summing every block's was a chain of L2 round
-  // trips as long as phase 2 had been)
+  // blocks, then the groups (a first form, one last block summing every block's and each
+  // thread finding its taps itself, took 1041.8 us on ResNet-50's 19 window layers where
+  // this takes 848.7 on an H100: docs/results/ab-window-fold-h100-b07805c.txt)
   const int groups = (f.posblocks + kFoldGroup - 1) / kFoldGroup, grp = bx / kFoldGroup;
   const int first = grp * kFoldGroup, count = min(kFoldGroup, f.posblocks - first);
   unsigned* const group_counters = f.counters + (s.nsplit > 1 ? f.posblocks : 0);
@@ -1467,8 +1467,8 @@ int64_t window_fold_cols(const ConvInputArgs& a, int element_size) {
 bool conv_folds_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
   if (g.dtype != dtype || !g.rows_kernel) return false;
   const int size = static_cast<int>(c10::elementSize(dtype));
-  if (window_fold_side(a, size) == 0 || channel_rows_shape(g.a, size).read != RowsRead::kVector) return false;
   const ChannelRowsShape sg = channel_rows_shape(g.a, size);
+  if (window_fold_side(a, size) == 0 || sg.read != RowsRead::kVector) return false;
   return fits_launch(window_fold_blocks_x(a, size) * nsplit + sg.tiles * g.nsplit);
 }
 
