@@ -85,6 +85,20 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
   return {size, stride};
 }
 
+// Counter slots for two reductions of one launch, whose last blocks' counters are live
+// together: where both take slots (neither pointer null), disjoint ones from the current
+// stream's pool, `first` its first n_first and `second` the next n_second.  False where the
+// pool cannot give them (a stream being captured, its pool too small to grow), leaving both
+// as they were: then one launch each, one after the other, which may share slots.
+bool disjoint_slots(const at::Tensor& like, unsigned*& first, int64_t n_first, unsigned*& second, int64_t n_second) {
+  if (first == nullptr || second == nullptr) return true;
+  unsigned* const slots = counter_slots(like, n_first + n_second);
+  if (slots == nullptr) return false;
+  first = slots;
+  second = slots + n_first;
+  return true;
+}
+
 // The ops' results and workspaces are made without a dispatched op, and mostly without an
 // allocator call (stream_buffers.h): each one is host time in a capture step's backward,
 // which a host-bound step pays in full (the profile of a ResNet-18 capture step put three
@@ -233,11 +247,17 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   return p;
 }
 
+// A folded plan's launch (with the gradient's read where g is not null) on its workspace
+// `ws`: the split maps, then the blocks' partial window sums.
+cudaError_t launch_folded(const ConvPlan& p, float* out, float* ws, unsigned* counters, const ChannelLaunch* g,
+                          cudaStream_t stream) {
+  return launch_conv_input_stats_folded(p.a, p.x.scalar_type(), p.nsplit, p.n_maps ? ws : nullptr,
+                                        p.n_cols ? ws + p.n_maps : nullptr, counters, out, g, stream);
+}
+
 void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
   if (p.fold) {
-    check_launch(launch_conv_input_stats_folded(p.a, p.x.scalar_type(), p.nsplit, p.n_maps ? ws : nullptr,
-                                                p.n_cols ? ws + p.n_maps : nullptr, p.counters, out, nullptr, stream),
-                 kConv);
+    check_launch(launch_folded(p, out, ws, p.counters, nullptr, stream), kConv);
     return;
   }
   check_launch(launch_conv_input_stats(p.a, p.x.scalar_type(), p.nsplit, p.chunks, ws,
@@ -430,13 +450,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
     // Where no such slots can be had (a stream being captured, its pool too small to grow),
     // one launch each, below, as for any other layer.
     ChannelLaunch lx = channel_launch(px, o, w), lg = channel_launch(pg, o + off_s, s_ws);
-    const bool both_split = lx.counters != nullptr && lg.counters != nullptr;
-    unsigned* const slots = both_split ? counter_slots(px.t, px.n_out + pg.n_out) : nullptr;
-    if (!both_split || slots != nullptr) {
-      if (both_split) {
-        lx.counters = slots;
-        lg.counters = slots + px.n_out;
-      }
+    if (disjoint_slots(px.t, lx.counters, px.n_out, lg.counters, pg.n_out)) {
       check_launch(launch_channel_stats_pair(lx, lg, stream), kLayer);
       return {h, s};
     }
@@ -449,20 +463,11 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   // they take disjoint slots (as a linear layer's pair above; else one launch each, below).
   if (conv && pc.fold && !h_zeros && !pg.zeros) {
     ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
-    if (conv_folds_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
-      unsigned* fold_slots = pc.counters;
-      const bool both = pc.n_slots > 0 && lg.counters != nullptr;
-      unsigned* const slots = both ? counter_slots(pc.x, pc.n_slots + pg.n_out) : nullptr;
-      if (!both || slots != nullptr) {
-        if (both) {
-          fold_slots = slots;
-          lg.counters = slots + pc.n_slots;
-        }
-        check_launch(launch_conv_input_stats_folded(pc.a, pc.x.scalar_type(), pc.nsplit, pc.n_maps ? w : nullptr,
-                                                    pc.n_cols ? w + pc.n_maps : nullptr, fold_slots, o, &lg, stream),
-                     kLayer);
-        return {h, s};
-      }
+    unsigned* fold_slots = pc.counters;
+    if (conv_folds_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg) &&
+        disjoint_slots(pc.x, fold_slots, pc.n_slots, lg.counters, pg.n_out)) {
+      check_launch(launch_folded(pc, o, w, fold_slots, &lg, stream), kLayer);
+      return {h, s};
     }
   }
   if (conv && !pc.fold && !h_zeros && !pg.zeros) {

@@ -1464,31 +1464,42 @@ int64_t window_fold_cols(const ConvInputArgs& a, int element_size) {
   return blocks_x > 1 ? (blocks_x + (groups > 1 ? groups : 0)) * K : 0;
 }
 
-bool conv_folds_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
-  if (g.dtype != dtype || !g.rows_kernel) return false;
+namespace {
+
+// The blocks of a folded launch (with g's rows read where g is not null), or 0 where the
+// input does not fold, one kernel does not read both (g of another dtype, or not the rows
+// kernel's 16-byte read) or the grid is too large.  Its check and its launch decide alike.
+int64_t folded_blocks(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch* g) {
   const int size = static_cast<int>(c10::elementSize(dtype));
-  const ChannelRowsShape sg = channel_rows_shape(g.a, size);
-  if (window_fold_side(a, size) == 0 || sg.read != RowsRead::kVector) return false;
-  return fits_launch(window_fold_blocks_x(a, size) * nsplit + sg.tiles * g.nsplit);
+  if (window_fold_side(a, size) == 0) return 0;
+  int64_t blocks = window_fold_blocks_x(a, size) * nsplit;
+  if (g != nullptr) {
+    if (g->dtype != dtype || !g->rows_kernel) return 0;
+    const ChannelRowsShape sg = channel_rows_shape(g->a, size);
+    if (sg.read != RowsRead::kVector) return 0;
+    blocks += sg.tiles * g->nsplit;
+  }
+  return fits_launch(blocks) ? blocks : 0;
+}
+
+}  // namespace
+
+bool conv_folds_with_gradient(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, const ChannelLaunch& g) {
+  return folded_blocks(a, dtype, nsplit, &g) > 0;
 }
 
 cudaError_t launch_conv_input_stats_folded(const ConvInputArgs& a, at::ScalarType dtype, int nsplit, float* maps,
                                            float* cols, unsigned* counters, float* out, const ChannelLaunch* g,
                                            cudaStream_t stream) {
+  const int64_t blocks = folded_blocks(a, dtype, nsplit, g);
+  if (blocks == 0) return cudaErrorInvalidValue;
   const int size = static_cast<int>(c10::elementSize(dtype));
   const int side = window_fold_side(a, size);
-  if (side == 0 || (g != nullptr && !conv_folds_with_gradient(a, dtype, nsplit, *g))) return cudaErrorInvalidValue;
   SumsqAndRows job{};
   job.sumsq = sumsq_item(a, nsplit, maps, size, kRowsBlock);
   job.sumsq_blocks = job.sumsq.blocks_x * nsplit;
   job.fold = {a, job.sumsq.blocks_x, cols, counters, out};
-  int64_t blocks = static_cast<int64_t>(job.sumsq.blocks_x) * nsplit;
-  if (g != nullptr) {
-    const ChannelRowsShape sg = channel_rows_shape(g->a, size);
-    job.rows = rows_item(*g, sg);
-    blocks += sg.tiles * g->nsplit;
-  }
-  if (!fits_launch(blocks)) return cudaErrorInvalidConfiguration;
+  if (g != nullptr) job.rows = rows_item(*g, channel_rows_shape(g->a, size));
   return dispatch_float_dtype(dtype, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
     if (side == 1) {
