@@ -611,6 +611,47 @@ __device__ __forceinline__ void add_stats(const ChannelArgs& a, const float (&v)
   for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
 }
 
+// A thread's share of a split's rows where they lie at one stride (a flat tensor: every
+// row q at q * rs): rows p, p + step, ... while fewer than `left` rows remain, `pass` rows
+// apart, summed in that order.  The pointer steps by a constant; the general path works
+// each row's address out (a 64-bit multiply, a stride test, the flag read again from the
+// launch's parameters) and held the SM's issue slots at 0.45 a cycle for 73% of the DRAM
+// bandwidth on a 205 MB bf16 gradient (H100, Nsight Compute).  Whole groups of kUnroll
+// loads in flight, then the rest one at a time: the same rows, in the same order, as a
+// group padded with zeros adds.
+template <typename T, RowsRead kRead, int kUnroll, bool kSquare>
+__device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t step, int64_t left, int pass,
+                                              float (&acc)[kRead == RowsRead::kScalar ? 1 : 16 / sizeof(T)]) {
+  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
+  using Raw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
+  auto load = [](const T* q) -> Raw {
+    if constexpr (kRead == RowsRead::kScalar) {
+      return *q;
+    } else {
+      return __ldg(reinterpret_cast<const uint4*>(q));
+    }
+  };
+  auto add = [&](const Raw& raw) {
+    float v[V];
+    if constexpr (kRead == RowsRead::kScalar) {
+      v[0] = to_float(raw);
+    } else {
+      unpack16<T>(raw, v);
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = kSquare ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
+  };
+  const int64_t group = static_cast<int64_t>(pass) * kUnroll;
+  for (; left > static_cast<int64_t>(pass) * (kUnroll - 1); left -= group, p += kUnroll * step) {
+    Raw raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) raw[u] = load(p + u * step);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) add(raw[u]);
+  }
+  for (; left > 0; left -= pass, p += step) add(load(p));
+}
+
 // One block of the rows kernel over one item (RowsItem): its block b is tile b % tiles
 // and split b / tiles (the order of a (tiles, splits) grid).  `smem` holds kBlock * V floats.
 template <typename T, RowsRead kRead, int kBlock, int kUnroll>
@@ -664,6 +705,14 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
         unpack16<T>(bytes_at(raw[u], shfl_down16(raw[u], lanes), shift[u]), v);
         add_stats<V>(a, v, acc);
       }
+    }
+  } else if (o < a.O && flat) {
+    if (a.square) {
+      sum_flat_rows<T, kRead, kUnroll, true>(t + (rr.lo + ry) * rs + o, static_cast<int64_t>(pass) * rs,
+                                              rr.hi - rr.lo - ry, pass, acc);
+    } else {
+      sum_flat_rows<T, kRead, kUnroll, false>(t + (rr.lo + ry) * rs + o, static_cast<int64_t>(pass) * rs,
+                                               rr.hi - rr.lo - ry, pass, acc);
     }
   } else if (o < a.O) {
     using Raw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
