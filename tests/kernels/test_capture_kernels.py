@@ -328,6 +328,30 @@ def test_channel_stats_of_rows_off_the_16_byte_grid(ext, dtype, rows, channels):
     close(ext.channel_stats(view, 1, False, 0.0), view.double().sum(0), STAT_RTOL)
 
 
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("batch,positions,channels", [(3, 5, 8), (7, 49, 2048), (16, 196, 256), (5, 331, 64), (4, 27, 37)])
+def test_flat_and_strided_rows_sum_alike_bit_for_bit(ext, dtype, batch, positions, channels):
+    """A flat tensor's rows (every row at one stride) are read by a pointer stepping by a
+    constant, whole groups of loads and then the rest one at a time; rows whose batch items
+    lie apart (a view of a padded tensor) are found row by row, in groups padded with
+    zeros.  The same rows, the same order: the same float32 sums bit for bit, over one
+    tile and several, rows fewer than a group and a tail, 16-byte and one-element reads
+    (37 channels), both equal to the float64 sums."""
+    # (batch, channels, positions) with the channels innermost, as a channels_last map's
+    # (N, C, H*W): the padded one's batch stride is (positions + 3) * channels
+    flat = randn((batch, positions, channels), dtype=dtype).permute(0, 2, 1)
+    padded = torch.empty((batch, positions + 3, channels), device=DEV, dtype=dtype).normal_()
+    strided = padded[:, :positions].permute(0, 2, 1)
+    strided.copy_(flat)
+    assert strided.stride(0) != positions * channels and strided.stride(1) == 1
+    for square in (True, False):
+        want = flat.double().square().sum((0, 2)) if square else flat.double().sum((0, 2))
+        got_flat = ext.channel_stats(flat, 1, square, 0.0)
+        got_strided = ext.channel_stats(strided, 1, square, 0.0)
+        close(got_flat, want, STAT_RTOL)
+        assert torch.equal(got_flat, got_strided)
+
+
 def test_channel_stats_direct_op_and_divisor(ext):
     t = randn((6, 5, 4))
     close(ext.channel_stats(t, 1, True, 0.0), t.double().square().sum((0, 2)), STAT_RTOL)
