@@ -4,6 +4,7 @@ same-machine measure for an A/B of a capture-path change (``scripts/gpu_ab.sh`` 
 
     python scripts/capture_gap.py --workload gpt             # the statistics on the current stream
     python scripts/capture_gap.py --workload resnet50 --side # on the side stream
+    python scripts/capture_gap.py --workload resnet18 --auto # on the stream "auto" chooses
     python scripts/capture_gap.py --device cpu --quick --steps 2 --host-steps 1   # a smoke run
 
 Why: the capture-step goals (issue 16: 1 ms above a normal step on ResNet-18, 5% on
@@ -13,11 +14,20 @@ side (``gpu_ab.sh``).  The bench's matrix measures the same figure among a dozen
 
 Per workload, one fresh model at full size (``--quick``: tiny) with AdaFisher(W) at
 ``TCov`` never, its statistics on the current stream (``--side``: the side stream) rather
-than ``"auto"``'s choice, whose trials would time some steps on either: ``--steps`` rounds of
-a synchronised normal and capture step, interleaved (``bench.timing.interleaved``,
-``elapsed_ms``), after three of each untimed; the paired differences and ratios (median
-[p10, p90]); then ``--host-steps`` pairs of ``Trainer.host_phases``: the host's forward,
+than ``"auto"``'s choice, whose trials would time some steps on either (``--auto``: built
+with ``capture_stream="auto"``, its trials run first, untimed, as the bench's matrix runs
+them: ``bench.matrix.choose_stream``): ``--steps`` rounds of a synchronised normal and
+capture step, interleaved (``bench.timing.interleaved``, ``elapsed_ms``), after three of
+each untimed; the paired differences and ratios (median [p10, p90]); the share of the timed
+capture steps that took the factor update kept from the one before (``KeptShare``), as the
+matrix's do; then ``--host-steps`` pairs of ``Trainer.host_phases``: the host's forward,
 backward and optimizer step above a normal step's, per captured layer.
+
+``--auto`` is there because on an H100 (``docs/results/capture-gap-h100-3900f42.txt``) the
+side stream gave ResNet-18 no gain here (+1.04 ms against +1.05 on the current stream) where
+the matrix's rotation, on an optimizer built with ``"auto"``, had it at +0.67 against +1.03:
+the same model and step timed both ways on one machine says which setting makes the
+difference.
 
 On an H100 at cc8b6d1 a first form of this script measured the GPT's capture step at
 +2.02-2.14 ms (1.047x-1.049x) against +2.24-2.32 ms (1.052x-1.053x) without that commit's
@@ -34,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from lightning_cafin.bench.matrix import NEVER, adafisher
+from lightning_cafin.bench.matrix import NEVER, KeptShare, adafisher, choose_stream
 from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 
@@ -42,21 +52,28 @@ from lightning_cafin.bench.workloads import Workload, print_reports, script_argu
 def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
     """One workload's line: the normal step, the capture step above it, their ratio, and the
     host's phases above a normal step per captured layer."""
-    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream=args.side)
+    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream="auto" if args.auto else args.side)
     for _ in range(3):
         trainer.step()
         trainer.capture_step()
+    where = "the side stream" if args.side else "the current stream"
+    if args.auto:
+        chosen = choose_stream(trainer)["side"]  # (None where nothing is timed: a CPU runs no trials)
+        where = ("the current stream ('auto' timed no trials)" if chosen is None
+                 else f"the {'side' if chosen else 'current'} stream ('auto' chose it)")
+    kept = KeptShare(trainer)
     steps = interleaved({"normal": functools.partial(elapsed_ms, trainer.step, device),
-                         "capture": functools.partial(elapsed_ms, trainer.capture_step, device)}, args.steps)
+                         "capture": functools.partial(elapsed_ms, kept.counted(trainer.capture_step), device)},
+                        args.steps)
     above = paired(steps["capture"], steps["normal"], diff)
     times = paired(steps["capture"], steps["normal"], ratio)
     layers = len(trainer.opt.binding.captures)
     host = [(trainer.host_phases(False), trainer.host_phases(True)) for _ in range(args.host_steps)]
     per_layer = [statistics.median(c[i] - n[i] for n, c in host) * 1e3 / max(1, layers) for i in range(3)]
-    stream = "side" if args.side else "current"
-    return (f"{wl.name}: {wl.description}; statistics on the {stream} stream, {args.steps} interleaved pairs: "
+    return (f"{wl.name}: {wl.description}; statistics on {where}, {args.steps} interleaved pairs: "
             f"normal {spread_text(spread(steps['normal']))} ms, capture above normal {spread_text(above)} ms, "
             f"capture / normal {times['median']:.4f}x [{times['p10']:.4f}x, {times['p90']:.4f}x]; "
+            f"the kept factor update taken by {kept.share:.0%} of them; "
             f"host above normal per captured layer ({layers} layers, {args.host_steps} pairs), "
             f"forward / backward / step: " + " / ".join(f"{v:.2f}" for v in per_layer) + " us")
 
@@ -67,8 +84,13 @@ COUNTS = {"steps": (30, "interleaved pairs of a normal and a capture step"),
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv,
-                            {"side": "the statistics on the side stream (default: the current stream)"})
+    args = script_arguments(__doc__.split("\n\n")[0], COUNTS, argv,
+                            {"side": "the statistics on the side stream (default: the current stream)",
+                             "auto": "the stream capture_stream='auto' chooses, its trials run first, untimed"})
+    if args.side and args.auto:
+        raise SystemExit("--side and --auto each set the statistics' stream: pass one of them (or neither: the "
+                         "current stream)")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:

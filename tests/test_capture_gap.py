@@ -16,16 +16,23 @@ def load():
     return load_script("capture_gap", SCRIPTS)
 
 
-@pytest.mark.parametrize("side", [False, True])
-def test_a_smoke_run_gives_one_line_with_the_gap_the_ratio_and_the_host_per_layer(capsys, side):
+@pytest.mark.parametrize("flags,where", [
+    ([], "the current stream"),
+    (["--side"], "the side stream"),
+    (["--auto"], "the current stream ('auto' timed no trials)"),  # (a CPU times no trials: nothing to choose)
+])
+def test_a_smoke_run_gives_one_line_with_the_gap_the_ratio_and_the_host_per_layer(capsys, flags, where):
     argv = ["--quick", "--device", "cpu", "--workload", "gpt", "--steps", "2", "--host-steps", "1"]
-    assert load().main(argv + (["--side"] if side else [])) == 0
+    assert load().main(argv + flags) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
-    stream = "side" if side else "current"
-    assert line.startswith("gpt: ") and f"statistics on the {stream} stream, 2 interleaved pairs" in line
+    assert line.startswith("gpt: ") and f"statistics on {where}, 2 interleaved pairs" in line
     number = r"-?\d+\.\d+"
     assert re.search(rf"capture above normal {number} \[{number}, {number}\] ms", line)
     assert re.search(rf"capture / normal {number}x \[{number}x, {number}x\]", line)
+    # the share of capture steps that took the kept factor update (the extension's launch:
+    # a CPU's update is the torch loop, which keeps none)
+    kept = re.search(r"; the kept factor update taken by (\d+)% of them; host above normal", line)
+    assert kept is not None and kept.group(1) == "0"
     # the quick GPT's 2 blocks: 4 linear layers and 2 layer norms each, the final norm and the head
     host = re.search(rf"\(14 layers, 1 pairs\), forward / backward / step: ({number}) / ({number}) / ({number}) us$", line)
     assert host is not None
@@ -35,6 +42,7 @@ def test_a_smoke_run_gives_one_line_with_the_gap_the_ratio_and_the_host_per_laye
     (["--workload", "vgg"], "--workload: unknown workload 'vgg'"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--host-steps", "0"], "--host-steps must be at least 1, got 0"),
+    (["--side", "--auto"], "--side and --auto each set the statistics' stream: pass one of them"),
 ])
 def test_bad_arguments_name_their_flag(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
