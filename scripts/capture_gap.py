@@ -50,8 +50,9 @@ from lightning_cafin.bench.workloads import Workload, print_reports, script_argu
 
 
 def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
-    """One workload's line: the normal step, the capture step above it, their ratio, and the
-    host's phases above a normal step per captured layer."""
+    """One workload's line: the normal step, the capture step above it, their ratio, the
+    share of capture steps that took the kept factor update, and the host's phases above a
+    normal step per captured layer."""
     trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream="auto" if args.auto else args.side)
     for _ in range(3):
         trainer.step()
