@@ -611,6 +611,22 @@ __device__ __forceinline__ void add_stats(const ChannelArgs& a, const float (&v)
   for (int j = 0; j < V; ++j) acc[j] = a.square ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
 }
 
+// What one of the rows kernel's reads gives a lane: 16 bytes (kRowsWidth elements) read as
+// one uint4, or one element off the grid (kScalar); widen_rows_raw makes them floats.
+template <typename T, RowsRead kRead>
+constexpr int kRowsWidth = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
+template <typename T, RowsRead kRead>
+using RowsRaw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
+
+template <typename T, RowsRead kRead>
+__device__ __forceinline__ void widen_rows_raw(const RowsRaw<T, kRead>& raw, float (&v)[kRowsWidth<T, kRead>]) {
+  if constexpr (kRead == RowsRead::kScalar) {
+    v[0] = to_float(raw);
+  } else {
+    unpack16<T>(raw, v);
+  }
+}
+
 // A thread's share of a split's rows where they lie at one stride (a flat tensor: every
 // row q at q * rs): its first row at p, then every pass-th row (`step` elements on), while
 // `left` (the split's rows from p on, less `pass` a row) is above zero, summed in that
@@ -622,9 +638,9 @@ __device__ __forceinline__ void add_stats(const ChannelArgs& a, const float (&v)
 // group padded with zeros adds.
 template <typename T, RowsRead kRead, int kUnroll, bool kSquare>
 __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t step, int64_t left, int pass,
-                                              float (&acc)[kRead == RowsRead::kScalar ? 1 : 16 / sizeof(T)]) {
-  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
-  using Raw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
+                                              float (&acc)[kRowsWidth<T, kRead>]) {
+  constexpr int V = kRowsWidth<T, kRead>;
+  using Raw = RowsRaw<T, kRead>;
   auto load = [](const T* q) -> Raw {
     if constexpr (kRead == RowsRead::kScalar) {
       return *q;
@@ -634,11 +650,7 @@ __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t s
   };
   auto add = [&](const Raw& raw) {
     float v[V];
-    if constexpr (kRead == RowsRead::kScalar) {
-      v[0] = to_float(raw);
-    } else {
-      unpack16<T>(raw, v);
-    }
+    widen_rows_raw<T, kRead>(raw, v);
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = kSquare ? fmaf(v[j], v[j], acc[j]) : acc[j] + v[j];
   };
@@ -657,7 +669,7 @@ __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t s
 // and split b / tiles (the order of a (tiles, splits) grid).  `smem` holds kBlock * V floats.
 template <typename T, RowsRead kRead, int kBlock, int kUnroll>
 __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, float* smem) {
-  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
+  constexpr int V = kRowsWidth<T, kRead>;
   const ChannelArgs& a = item.a;
   const T* __restrict__ t = static_cast<const T*>(a.t);
   const int lanes = item.lanes, nsplit = item.nsplit;
@@ -716,7 +728,7 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
                                                rr.hi - rr.lo - ry, pass, acc);
     }
   } else if (o < a.O) {
-    using Raw = std::conditional_t<kRead == RowsRead::kScalar, T, uint4>;
+    using Raw = RowsRaw<T, kRead>;
     for (int64_t r = rr.lo + ry; r < rr.hi; r += static_cast<int64_t>(pass) * kUnroll) {
       Raw raw[kUnroll];
 #pragma unroll
@@ -731,11 +743,7 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         float v[V];
-        if constexpr (kRead == RowsRead::kScalar) {
-          v[0] = to_float(raw[u]);
-        } else {
-          unpack16<T>(raw[u], v);
-        }
+        widen_rows_raw<T, kRead>(raw[u], v);
         add_stats<V>(a, v, acc);
       }
     }
@@ -810,7 +818,7 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
 // again wherever the body reads them: the registers of the one-item kernel.
 template <typename T, RowsRead kRead, int kBlock = kRowsBlock, int kUnroll = kRowsUnroll>
 __global__ void __launch_bounds__(kBlock) channel_rows_kernel(const __grid_constant__ RowsPair pair) {
-  constexpr int V = kRead == RowsRead::kScalar ? 1 : 16 / static_cast<int>(sizeof(T));
+  constexpr int V = kRowsWidth<T, kRead>;
   __shared__ float smem[kBlock * V];
   const int b = static_cast<int>(blockIdx.x);
   if (b < pair.first_blocks) {
