@@ -25,9 +25,20 @@ backward and optimizer step above a normal step's, per captured layer.
 
 ``--auto`` is there because on an H100 (``docs/results/capture-gap-h100-3900f42.txt``) the
 side stream gave ResNet-18 no gain here (+1.04 ms against +1.05 on the current stream) where
-the matrix's rotation, on an optimizer built with ``"auto"``, had it at +0.67 against +1.03:
-the same model and step timed both ways on one machine says which setting makes the
-difference.
+the matrix's rotation, on an optimizer built with ``"auto"``, had it at +0.67 against +1.03.
+It was not the setting: at e855321, in one process, optimizers built with ``True`` and with
+``"auto"`` had no gain, and in later processes on the same machine both had it (below).
+
+``--pool-streams`` is there because on H100s at e855321
+(``docs/results/side-stream-per-process-h100-e855321.txt``) the side stream's gain came or
+went with the process, not with the option it was chosen by, the order of the steps, the
+warm-up or the bench's other measurements: ResNet-18 +1.02 to +1.06 ms above a normal step
+on the side stream in one process, +0.64 to +0.69 (current stream +0.99 to +1.07) in the
+next ones on the same machine, the same code.  One explanation it tests: a stream's work
+goes to one of the device's few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by
+default) in the order streams are made, and a side stream sharing the current stream's
+queue waits behind it, as if on the current stream.  The extension takes its side stream
+from torch's pool when first needed; taking ``n`` streams first moves it ``n`` along the pool.
 
 On an H100 at cc8b6d1 a first form of this script measured the GPT's capture step at
 +2.02-2.14 ms (1.047x-1.049x) against +2.24-2.32 ms (1.052x-1.053x) without that commit's
@@ -58,6 +69,8 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
         trainer.step()
         trainer.capture_step()
     where = "the side stream" if args.side else "the current stream"
+    if args.pool_streams:
+        where += f", {args.pool_streams} of torch's pooled streams taken first"
     if args.auto:
         chosen = choose_stream(trainer)["side"]  # (None where nothing is timed: a CPU runs no trials)
         where = ("the current stream ('auto' timed no trials)" if chosen is None
@@ -81,7 +94,9 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
 
 #: the script's counts: flag -> (default, help)
 COUNTS = {"steps": (30, "interleaved pairs of a normal and a capture step"),
-          "host-steps": (10, "pairs of the host's phases, normal then capture")}
+          "host-steps": (10, "pairs of the host's phases, normal then capture"),
+          "pool-streams": (0, "streams taken from torch's pool (torch.cuda.Stream()) before anything else, so that "
+                              "the side stream is a later one of the pool", 0)}
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -91,11 +106,22 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.side and args.auto:
         raise SystemExit("--side and --auto each set the statistics' stream: pass one of them (or neither: the "
                          "current stream)")
+    if args.pool_streams and args.device != "cuda":
+        raise SystemExit(f"--pool-streams takes CUDA streams: pass --device cuda (got --device {args.device})")
     return args
 
 
+def take_pool_streams(n: int) -> None:
+    """Advance torch's pool of CUDA streams by ``n`` (the extension's side stream is the next
+    one the pool hands out, once, the first time a statistic goes to the side stream)."""
+    for _ in range(n):
+        torch.cuda.Stream()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    return print_reports(parse(argv), report)
+    args = parse(argv)
+    take_pool_streams(args.pool_streams)
+    return print_reports(args, report)
 
 
 if __name__ == "__main__":

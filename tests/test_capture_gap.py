@@ -47,3 +47,18 @@ def test_a_smoke_run_gives_one_line_with_the_gap_the_ratio_and_the_host_per_laye
 def test_bad_arguments_name_their_flag(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         load().parse(["--device", "cpu"] + argv)
+
+
+def test_pool_streams_needs_a_cuda_device_and_is_a_count_from_zero():
+    with pytest.raises(SystemExit, match=re.escape("--pool-streams takes CUDA streams: pass --device cuda (got --device cpu)")):
+        load().parse(["--device", "cpu", "--pool-streams", "3"])
+    with pytest.raises(SystemExit, match=re.escape("--pool-streams must be at least 0, got -1")):
+        load().parse(["--device", "cpu", "--pool-streams", "-1"])
+    assert load().parse(["--device", "cpu"]).pool_streams == 0
+
+
+def test_taking_pool_streams_advances_torchs_pool(monkeypatch):
+    made = []
+    monkeypatch.setattr(load().torch.cuda, "Stream", lambda *a, **k: made.append(1))
+    load().take_pool_streams(3)
+    assert len(made) == 3
