@@ -27,14 +27,15 @@ backward and optimizer step above a normal step's, per captured layer.
 side stream gave ResNet-18 no gain here (+1.04 ms against +1.05 on the current stream) where
 the matrix's rotation, on an optimizer built with ``"auto"``, had it at +0.67 against +1.03.
 It was not the setting: at e855321, in one process, optimizers built with ``True`` and with
-``"auto"`` had no gain, and in later processes on the same machine both had it (below).
+``"auto"`` had no gain, and in later processes both had it (below).
 
 ``--pool-streams`` is there because on H100s at e855321
 (``docs/results/side-stream-per-process-h100-e855321.txt``) the side stream's gain came or
 went with the process, not with the option it was chosen by, the order of the steps, the
-warm-up or the bench's other measurements: ResNet-18 +1.02 to +1.06 ms above a normal step
-on the side stream in one process, +0.64 to +0.69 (current stream +0.99 to +1.07) in the
-next ones on the same machine, the same code.  One explanation it tests: a stream's work
+warm-up or the bench's other measurements: ResNet-18 +1.02 to +1.09 ms above a normal step
+on the side stream in one process (the current stream +1.05 to +1.08), +0.64 to +0.69 (the
+current stream +0.99 to +1.03) in the next one on the same machine and in two on another, the
+same code.  One explanation it tests: a stream's work
 goes to one of the device's few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by
 default) in the order streams are made, and a side stream sharing the current stream's
 queue waits behind it, as if on the current stream.  The extension takes its side stream
@@ -92,7 +93,7 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
             f"forward / backward / step: " + " / ".join(f"{v:.2f}" for v in per_layer) + " us")
 
 
-#: the script's counts: flag -> (default, help)
+#: the script's counts: flag -> (default, help[, least])
 COUNTS = {"steps": (30, "interleaved pairs of a normal and a capture step"),
           "host-steps": (10, "pairs of the host's phases, normal then capture"),
           "pool-streams": (0, "streams taken from torch's pool (torch.cuda.Stream()) before anything else, so that "
