@@ -35,11 +35,11 @@ went with the process, not with the option it was chosen by, the order of the st
 warm-up or the bench's other measurements: ResNet-18 +1.02 to +1.09 ms above a normal step
 on the side stream in one process (the current stream +1.05 to +1.08), +0.64 to +0.69 (the
 current stream +0.99 to +1.03) in the next one on the same machine and in two on another, the
-same code.  One explanation it tests: a stream's work
-goes to one of the device's few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by
-default) in the order streams are made, and a side stream sharing the current stream's
-queue waits behind it, as if on the current stream.  The extension takes its side stream
-from torch's pool when first needed; taking ``n`` streams first moves it ``n`` along the pool.
+same code.  One explanation it tests: a stream's work goes to one of the device's few
+hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default) in the order streams are
+made, and a side stream sharing the current stream's queue waits behind it, as if on the
+current stream.  The extension takes its side stream from torch's pool when first needed;
+taking ``n`` streams first moves it ``n`` along the pool.
 
 On an H100 at cc8b6d1 a first form of this script measured the GPT's capture step at
 +2.02-2.14 ms (1.047x-1.049x) against +2.24-2.32 ms (1.052x-1.053x) without that commit's
@@ -70,12 +70,12 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
         trainer.step()
         trainer.capture_step()
     where = "the side stream" if args.side else "the current stream"
-    if args.pool_streams:
-        where += f", {args.pool_streams} of torch's pooled streams taken first"
     if args.auto:
         chosen = choose_stream(trainer)["side"]  # (None where nothing is timed: a CPU runs no trials)
         where = ("the current stream ('auto' timed no trials)" if chosen is None
                  else f"the {'side' if chosen else 'current'} stream ('auto' chose it)")
+    if args.pool_streams:
+        where += f", {args.pool_streams} of torch's pooled streams taken first"
     kept = KeptShare(trainer)
     steps = interleaved({"normal": functools.partial(elapsed_ms, trainer.step, device),
                          "capture": functools.partial(elapsed_ms, kept.counted(trainer.capture_step), device)},
