@@ -243,20 +243,6 @@ Returns False (nothing changed) for CPU tensors or while a CUDA graph is being c
 each True must be followed by capture_side_exit().)doc",
         py::arg("reads"));
   m.def("capture_side_exit", &lightning_cafin::side_exit, "Restore the stream capture_side_enter replaced.");
-  m.def(
-      "capture_side_stream_check",
-      [](int device) -> std::optional<std::tuple<int, double, bool>> {
-        const auto c = lightning_cafin::side_stream_check(device);
-        if (!c) return std::nullopt;
-        return std::make_tuple(c->tried, c->ratio, c->beside);
-      },
-      R"doc((tried, ratio, beside) of the device's capture side stream, None before it is first
-used: how many of torch's pooled streams were tried, when it was made, for one whose work
-runs beside the current stream's; the chosen one's ratio (a spin on it ended that many
-spins' time after one on the current stream began: about 1 side by side, about 2 one after
-the other); whether it counted as beside (False: none of the tried ones did, and the first
-was kept).)doc",
-      py::arg("device"));
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");
   m.def("capture_release", &lightning_cafin::capture_release,

@@ -2,7 +2,6 @@
 // use and kept for the process (an event may be recorded again as soon as a wait on it
 // has been enqueued: the wait captures the record that preceded it).
 #include "side_stream.h"
-#include "side_stream_check.h"
 #include "stream_buffers.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -19,39 +18,9 @@ namespace {
 
 struct DeviceSide {
   c10::cuda::CUDAStream stream;
-  SideStreamCheck check;
   cudaEvent_t event = nullptr;
   bool pending = false;  // side work not yet joined into the current stream
 };
-
-// How many of torch's pooled streams are tried for one that runs beside the current stream
-// (a queue is shared by every CUDA_DEVICE_MAX_CONNECTIONS-th stream made, 8 by default),
-// the spin each try times, and the ratio under which two streams count as side by side
-// (side_stream_check.h: about 1 side by side, about 2 one after the other).
-constexpr int kSideTries = 8;
-constexpr int64_t kSpinNs = 200000;
-constexpr double kBesideBelow = 1.5;
-
-// The first of torch's pooled streams whose work runs beside the current stream's, else
-// (none of kSideTries: a single hardware queue, or a device shared by other processes) the
-// first one tried, with a warning: the statistics then wait behind the backward pass.
-std::pair<c10::cuda::CUDAStream, SideStreamCheck> pick_side_stream(c10::DeviceIndex device) {
-  const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device).stream();
-  std::optional<std::pair<c10::cuda::CUDAStream, SideStreamCheck>> first;
-  for (int tried = 1; tried <= kSideTries; ++tried) {
-    const c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
-    const double ratio = beside_ratio(cur, s.stream(), kSpinNs);
-    if (ratio < kBesideBelow) return {s, SideStreamCheck{tried, ratio, true}};
-    if (!first) first.emplace(s, SideStreamCheck{tried, ratio, false});
-  }
-  TORCH_WARN_ONCE("lightning_cafin: none of ", kSideTries, " CUDA streams tried for the capture statistics' side "
-                  "stream runs beside the current stream on device ", static_cast<int>(device), " (a spin on it "
-                  "ended ", first->second.ratio, "x a spin's time after one on the current stream began), so the "
-                  "side stream gains nothing here: pass capture_stream=False, or leave it \"auto\" to time both. "
-                  "CUDA_DEVICE_MAX_CONNECTIONS=1 (as some launchers set it) gives every stream one queue.");
-  first->second.tried = kSideTries;
-  return *first;
-}
 
 std::mutex& side_mutex() {
   static std::mutex mu;
@@ -69,8 +38,7 @@ DeviceSide& side_for(int device) {
   auto it = m.find(device);
   if (it == m.end()) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    auto [stream, check] = pick_side_stream(static_cast<c10::DeviceIndex>(device));
-    DeviceSide d{stream, check};
+    DeviceSide d{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, static_cast<c10::DeviceIndex>(device))};
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&d.event, cudaEventDisableTiming));
     it = m.emplace(device, d).first;
   }
@@ -144,13 +112,6 @@ void side_exit() {
   TORCH_CHECK(!t_replaced.empty(), "capture_side_exit() without a matching capture_side_enter()");
   c10::cuda::setCurrentCUDAStream(t_replaced.back());
   t_replaced.pop_back();
-}
-
-std::optional<SideStreamCheck> side_stream_check(int device) {
-  std::lock_guard<std::mutex> lock(side_mutex());
-  const auto it = sides().find(device);
-  if (it == sides().end()) return std::nullopt;
-  return it->second.check;
 }
 
 void capture_join() {

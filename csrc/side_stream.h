@@ -45,19 +45,6 @@ bool side_enter(const std::vector<at::Tensor>& reads);
 // Restore the stream that the matching side_enter() replaced.
 void side_exit();
 
-// What the check of a device's side stream found when the stream was made
-// (side_stream_check.h): how many of torch's pooled streams were tried for one that runs
-// beside the current stream, the chosen one's ratio (about 1: side by side, about 2: one
-// after the other), and whether it counted as beside (false: none of the tried ones did,
-// and the first was kept).
-struct SideStreamCheck {
-  int tried = 0;
-  double ratio = 0.0;
-  bool beside = false;
-};
-// The check of `device`'s side stream; none before the side stream is first used there.
-std::optional<SideStreamCheck> side_stream_check(int device);
-
 // The current stream of every device with unjoined side work waits for that work.
 void capture_join();
 // The side streams wait for the current streams; the side work is then forgotten.

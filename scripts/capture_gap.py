@@ -56,10 +56,9 @@ from typing import Optional
 
 import torch
 
-from lightning_cafin.bench.matrix import NEVER, KeptShare, adafisher, choose_stream, side_stream_check_text
+from lightning_cafin.bench.matrix import NEVER, KeptShare, adafisher, choose_stream
 from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
-from lightning_cafin.capture import streams as capture_streams
 
 
 def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
@@ -77,9 +76,6 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
                  else f"the {'side' if chosen else 'current'} stream ('auto' chose it)")
     if args.pool_streams:
         where += f", {args.pool_streams} of torch's pooled streams taken first"
-    check = capture_streams.side_stream_check(device.index)
-    if check is not None and "the side stream" in where:
-        where += f" (which {side_stream_check_text(check)})"
     kept = KeptShare(trainer)
     steps = interleaved({"normal": functools.partial(elapsed_ms, trainer.step, device),
                          "capture": functools.partial(elapsed_ms, kept.counted(trainer.capture_step), device)},

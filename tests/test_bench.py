@@ -167,15 +167,6 @@ def test_goals_are_judged_against_the_issue_limits():
     assert "NOT MET" in table and "<= 0.6x" in table
 
 
-def test_the_side_stream_check_is_told_in_words_either_way():
-    from lightning_cafin.bench.matrix import side_stream_check_text
-
-    beside = side_stream_check_text([3, 1.04, True])  # as bench.json holds it
-    assert beside.startswith("runs beside the current stream") and "1.04x" in beside and "3 of torch's" in beside
-    behind = side_stream_check_text([8, 1.98, False])
-    assert behind.startswith("runs behind the current stream (none of those tried") and "8 of torch's" in behind
-
-
 def test_spread_and_quantile():
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([0.0, 10.0], 0.1) == pytest.approx(1.0)
     assert spread([1.0, 2.0, 3.0, 4.0]) == {"median": 2.5, "p10": pytest.approx(1.3), "p90": pytest.approx(3.7), "n": 4,

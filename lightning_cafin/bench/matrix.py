@@ -367,7 +367,6 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                                                         ratio),
                  "auto_stream_vs_normal_ratio": paired(sync["capture_auto_stream"], sync["normal"], ratio),
                  "auto_stream_above_normal_ms": paired(sync["capture_auto_stream"], sync["normal"], diff),
-                 "side_stream_check": capture_streams.side_stream_check(device.index),
                  "capture_uses_taps": capture_taps.enabled(),
                  "capture_kept_launch_share": kept.share,
                  "capture_python_hooks_ms": spread(sync["capture_python_hooks"]),
@@ -483,15 +482,6 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     return goal_rows([(figure, value, unit, limit, interval) for figure, (value, interval), unit, limit in rows])
 
 
-def side_stream_check_text(check: Any) -> str:
-    """The extension's check of the side stream it made (``streams.side_stream_check``, as
-    bench.json holds it: ``[tried, ratio, beside]``) in words."""
-    tried, r, beside = check
-    where = "beside the current stream" if beside else "behind the current stream (none of those tried ran beside it)"
-    return (f"runs {where}: a spin on it ended {r:.2f}x a spin's time after one on the current stream began "
-            f"({tried} of torch's pooled streams tried)")
-
-
 def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
     """Milliseconds and megabytes behind the ratios: median [p10, p90]."""
     ms = spread_text
@@ -509,8 +499,6 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      + (f"capture_stream='auto' ({stream_named(s['auto_stream']['side'])}) "
                         f"{ms(s['capture_auto_stream_ms'])}; " if "auto_stream" in s else "") +
                      f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")
-        if s.get("side_stream_check"):  # (older runs did not record it; None: no side stream made)
-            lines.append("  the side stream: " + side_stream_check_text(s["side_stream_check"]))
         if "capture_kept_launch_share" in s:  # (older runs did not record it)
             lines.append(f"  timed capture steps that took the kept factor update: sync {s['capture_kept_launch_share']:.0%}"
                          + (f", host phases {r['host']['capture_kept_launch_share']:.0%}" if "host" in r else ""))

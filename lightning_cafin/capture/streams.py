@@ -88,9 +88,8 @@ import contextlib
 import os
 import threading
 from types import ModuleType
-from typing import ContextManager, Iterator, Literal, NamedTuple, Optional, Union
+from typing import ContextManager, Iterator, Literal, Optional, Union
 
-import torch
 from torch import Tensor
 
 from . import kernels as _kernels
@@ -220,29 +219,6 @@ def use(side: bool) -> None:
     """Under ``"auto"``: the stream of the capture step under way, as its optimizer chose it
     (the setting itself stays ``"auto"``; under True or False this has no effect)."""
     _setting.use(side)
-
-
-class SideStreamCheck(NamedTuple):
-    """What the extension found when it made a device's side stream (``csrc/side_stream_check.h``)."""
-
-    #: how many of torch's pooled streams it tried for one whose work runs beside the current stream's
-    tried: int
-    #: a spin on the chosen stream ended this many spins' time after one on the current stream
-    #: began: about 1 side by side, about 2 one after the other
-    ratio: float
-    #: whether it counted as beside (False: none of those tried did, the first was kept, and
-    #: the side stream gains nothing)
-    beside: bool
-
-
-def side_stream_check(device: Optional[int] = None) -> Optional[SideStreamCheck]:
-    """The check of ``device``'s side stream (default: the current device); None before the
-    side stream's first use there, or without the extension."""
-    ext = _kernels.loaded_extension()
-    if ext is None or not torch.cuda.is_available():
-        return None
-    found = ext.capture_side_stream_check(torch.cuda.current_device() if device is None else device)
-    return None if found is None else SideStreamCheck(int(found[0]), float(found[1]), bool(found[2]))
 
 
 def side() -> bool:
