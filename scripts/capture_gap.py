@@ -39,8 +39,8 @@ same code.  One explanation it tests: a stream's work goes to one of the device'
 hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default) in the order streams are
 made, and a side stream sharing the current stream's queue waits behind it, as if on the
 current stream.  The extension takes its side stream from torch's pool when first needed;
-taking ``n`` streams first moves it ``n`` along the pool.  On an H100 at 88c3ff7
-(``docs/results/side-stream-queues-h100-88c3ff7.txt``) a spin on every pooled stream tried ran
+taking ``n`` streams first moves it ``n`` along the pool.  On an H100 at e9a5d2a
+(``docs/results/side-stream-queues-h100-e9a5d2a.txt``) a spin on every pooled stream tried ran
 beside one on the default stream, made in any order, in the backward pass or not, and with
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``: the queues do not explain it there.
 
