@@ -5,7 +5,7 @@ same-machine measure for an A/B of a capture-path change (``scripts/gpu_ab.sh`` 
     python scripts/capture_gap.py --workload gpt             # the statistics on the current stream
     python scripts/capture_gap.py --workload resnet50 --side # on the side stream
     python scripts/capture_gap.py --workload resnet18 --auto # on the stream "auto" chooses
-    python scripts/capture_gap.py --device cpu --quick --steps 2 --host-steps 1   # a smoke run
+    python scripts/capture_gap.py --device cpu --quick --steps 2 --host-steps 0   # a smoke run
 
 Why: the capture-step goals (issue 16: 1 ms above a normal step on ResNet-18, 5% on
 ResNet-50 and the GPT) are step-synchronous figures that move with the host more than most
@@ -21,7 +21,8 @@ capture step, interleaved (``bench.timing.interleaved``, ``elapsed_ms``), after 
 each untimed; the paired differences and ratios (median [p10, p90]); the share of the timed
 capture steps that took the factor update kept from the one before (``KeptShare``), as the
 matrix's do; then ``--host-steps`` pairs of ``Trainer.host_phases``: the host's forward,
-backward and optimizer step above a normal step's, per captured layer.
+backward and optimizer step above a normal step's, per captured layer (none with ``--host-steps 0``:
+the step timings alone).
 
 ``--auto`` is there because on an H100 (``docs/results/capture-gap-h100-3900f42.txt``) the
 side stream gave ResNet-18 no gain here (+1.04 ms against +1.05 on the current stream) where
@@ -86,19 +87,21 @@ def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
     above = paired(steps["capture"], steps["normal"], diff)
     times = paired(steps["capture"], steps["normal"], ratio)
     layers = len(trainer.opt.binding.captures)
-    host = [(trainer.host_phases(False), trainer.host_phases(True)) for _ in range(args.host_steps)]
-    per_layer = [statistics.median(c[i] - n[i] for n, c in host) * 1e3 / max(1, layers) for i in range(3)]
-    return (f"{wl.name}: {wl.description}; statistics on {where}, {args.steps} interleaved pairs: "
+    line = (f"{wl.name}: {wl.description}; statistics on {where}, {args.steps} interleaved pairs: "
             f"normal {spread_text(spread(steps['normal']))} ms, capture above normal {spread_text(above)} ms, "
             f"capture / normal {times['median']:.4f}x [{times['p10']:.4f}x, {times['p90']:.4f}x]; "
-            f"the kept factor update taken by {kept.share:.0%} of them; "
-            f"host above normal per captured layer ({layers} layers, {args.host_steps} pairs), "
+            f"the kept factor update taken by {kept.share:.0%} of them")
+    if not args.host_steps:
+        return line + "; host phases not measured (--host-steps 0)"
+    host = [(trainer.host_phases(False), trainer.host_phases(True)) for _ in range(args.host_steps)]
+    per_layer = [statistics.median(c[i] - n[i] for n, c in host) * 1e3 / max(1, layers) for i in range(3)]
+    return (line + f"; host above normal per captured layer ({layers} layers, {args.host_steps} pairs), "
             f"forward / backward / step: " + " / ".join(f"{v:.2f}" for v in per_layer) + " us")
 
 
 #: the script's counts: flag -> (default, help[, least])
 COUNTS = {"steps": (30, "interleaved pairs of a normal and a capture step"),
-          "host-steps": (10, "pairs of the host's phases, normal then capture"),
+          "host-steps": (10, "pairs of the host's phases, normal then capture (0: not measured)", 0),
           "pool-streams": (0, "streams taken from torch's pool (torch.cuda.Stream()) before anything else, so that "
                               "the side stream is a later one of the pool", 0)}
 

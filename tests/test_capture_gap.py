@@ -41,12 +41,20 @@ def test_a_smoke_run_gives_one_line_with_the_gap_the_ratio_and_the_host_per_laye
 @pytest.mark.parametrize("argv,message", [
     (["--workload", "vgg"], "--workload: unknown workload 'vgg'"),
     (["--steps", "0"], "--steps must be at least 1"),
-    (["--host-steps", "0"], "--host-steps must be at least 1, got 0"),
+    (["--host-steps", "-1"], "--host-steps must be at least 0, got -1"),
     (["--side", "--auto"], "--side and --auto each set the statistics' stream: pass one of them"),
 ])
 def test_bad_arguments_name_their_flag(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         load().parse(["--device", "cpu"] + argv)
+
+
+def test_no_host_steps_leaves_the_host_phases_out_and_says_so(capsys):
+    argv = ["--quick", "--device", "cpu", "--workload", "gpt", "--steps", "2", "--host-steps", "0"]
+    assert load().main(argv) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert line.endswith("% of them; host phases not measured (--host-steps 0)")
+    assert "per captured layer" not in line
 
 
 def test_pool_streams_needs_a_cuda_device_and_is_a_count_from_zero():
