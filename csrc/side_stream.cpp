@@ -1,6 +1,6 @@
-// See side_stream.h.  One side stream and one ordering event per device, created on first
-// use and kept for the process (an event may be recorded again as soon as a wait on it
-// has been enqueued: the wait captures the record that preceded it).
+// See side_stream.h.  One side stream and one ordering event per device and priority,
+// created on first use and kept for the process (an event may be recorded again as soon as
+// a wait on it has been enqueued: the wait captures the record that preceded it).
 #include "side_stream.h"
 #include "stream_buffers.h"
 
@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -27,20 +28,28 @@ std::mutex& side_mutex() {
   return mu;
 }
 
-// never destroyed: streams and events must outlive every exit-time tensor free
-std::map<int, DeviceSide>& sides() {
-  static auto* m = new std::map<int, DeviceSide>();
+std::atomic<bool>& high_priority() {
+  static std::atomic<bool> high{false};
+  return high;
+}
+
+// never destroyed: streams and events must outlive every exit-time tensor free.  Keyed by
+// (device, high priority): a change of priority takes the other stream from then on, and
+// work pending on the one before is still joined and released (each_pending).
+std::map<std::pair<int, bool>, DeviceSide>& sides() {
+  static auto* m = new std::map<std::pair<int, bool>, DeviceSide>();
   return *m;
 }
 
 DeviceSide& side_for(int device) {
   auto& m = sides();
-  auto it = m.find(device);
+  const bool high = high_priority().load();
+  auto it = m.find({device, high});
   if (it == m.end()) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    DeviceSide d{c10::cuda::getStreamFromPool(/*isHighPriority=*/false, static_cast<c10::DeviceIndex>(device))};
+    DeviceSide d{c10::cuda::getStreamFromPool(high, static_cast<c10::DeviceIndex>(device))};
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&d.event, cudaEventDisableTiming));
-    it = m.emplace(device, d).first;
+    it = m.emplace(std::make_pair(device, high), d).first;
   }
   return it->second;
 }
@@ -78,14 +87,17 @@ void record_read(const at::Tensor& t, const c10::cuda::CUDAStream& side) {
 template <typename F>
 void each_pending(F&& f) {
   std::lock_guard<std::mutex> lock(side_mutex());
-  for (auto& [device, d] : sides()) {
+  for (auto& [key, d] : sides()) {
     if (!d.pending) continue;
+    const int device = key.first;
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     f(d, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
   }
 }
 
 }  // namespace
+
+bool set_side_high_priority(bool high) { return high_priority().exchange(high); }
 
 SideScope::SideScope(const at::Tensor& like, bool want) {
   if (!want || !like.is_cuda()) return;

@@ -45,6 +45,12 @@ bool side_enter(const std::vector<at::Tensor>& reads);
 // Restore the stream that the matching side_enter() replaced.
 void side_exit();
 
+// Whether the side stream used from now on is one of torch's high-priority streams (the
+// block scheduler then starts its kernels' blocks before pending ones of default-priority
+// streams: the backward pass's) or a default-priority one (the default); returns the
+// setting before.
+bool set_side_high_priority(bool high);
+
 // The current stream of every device with unjoined side work waits for that work.
 void capture_join();
 // The side streams wait for the current streams; the side work is then forgotten.
