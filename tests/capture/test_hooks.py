@@ -95,13 +95,20 @@ def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA device")
-def test_side_stream_factors_equal_current_stream_factors():
+@pytest.mark.parametrize("priorities", [(False, False), (True, True), (False, True)],
+                         ids=["default-priority", "high-priority", "priority-changed-between-micro-batches"])
+def test_side_stream_factors_equal_current_stream_factors(priorities):
+    """The side stream (at either priority, ``capture_side_high_priority``; changed between
+    micro-batches, the first one's statistics pending on the other stream) gives the current
+    stream's factors and weights bit for bit."""
     from lightning_cafin import AdaFisher
+    from lightning_cafin.kernels.loader import load_extension
     from lightning_cafin.models.resnet import cifar_resnet18
 
+    ext = load_extension()
     out = []
     for side in (True, False):
-        previous = streams.set_enabled(side)
+        previous, high_before = streams.set_enabled(side), ext.capture_side_high_priority(False)
         try:
             torch.manual_seed(0)
             model = cifar_resnet18().cuda()
@@ -109,7 +116,8 @@ def test_side_stream_factors_equal_current_stream_factors():
             gen = torch.Generator().manual_seed(3)
             for _ in range(3):  # two capture steps (0 and 2), one plain step between
                 opt.zero_grad()
-                for _micro in range(2):  # gradient accumulation: partials added after the join
+                for high in priorities:  # gradient accumulation: partials added after the join
+                    ext.capture_side_high_priority(high)
                     x = torch.randn(16, 3, 32, 32, generator=gen).cuda()
                     y = torch.randint(0, 10, (16,), generator=gen).cuda()
                     F.cross_entropy(model(x), y).backward()
@@ -118,6 +126,7 @@ def test_side_stream_factors_equal_current_stream_factors():
             out.append((model, opt))
         finally:
             streams.set_enabled(previous)
+            ext.capture_side_high_priority(high_before)
     (m_side, o_side), (m_cur, o_cur) = out
     assert o_side.binding.captures.keys() == o_cur.binding.captures.keys() and o_cur.binding.captures
     for name, cap in o_cur.binding.captures.items():
@@ -125,7 +134,6 @@ def test_side_stream_factors_equal_current_stream_factors():
         assert torch.equal(o_side.binding.captures[name].S, cap.S), name
     for a, b in zip(m_side.parameters(), m_cur.parameters()):
         assert torch.equal(a, b)
-
 
 
 def test_a_deep_copy_of_a_bound_model_adds_nothing_to_the_original_layers():
