@@ -28,8 +28,11 @@ std::mutex& side_mutex() {
   return mu;
 }
 
+// High by default: on an H100 a default-priority side stream's kernels waited for the
+// backward pass's in some processes and ran beside them in others; a high-priority one ran
+// beside them in every process measured (docs/results/side-stream-priority-h100-641e14a.txt).
 std::atomic<bool>& high_priority() {
-  static std::atomic<bool> high{false};
+  static std::atomic<bool> high{true};
   return high;
 }
 

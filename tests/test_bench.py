@@ -76,7 +76,8 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
             assert (wl["pipelined"][tcov]["auto_stream_side"] is None) == (not torch.cuda.is_available()), tcov
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
                 "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_uses_taps",
-                "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio"} <= set(wl["sync"])
+                "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio",
+                "capture_side_default_priority_ms", "default_vs_high_priority_ratio"} <= set(wl["sync"])
         assert wl["sync"]["capture_uses_taps"] is True  # the default: what users run
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
@@ -95,12 +96,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 14 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 15 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
         auto = wl["sync"]["auto_stream"]  # capture_stream="auto" timed beside the fixed streams; off the GPU no choice
         assert (auto["side"] is None) == (not torch.cuda.is_available()), auto
         for stream in ("current", "side", "auto"):  # each setting timed explicitly, as often as the default
             assert wl["sync"][f"capture_{stream}_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"], stream
+        assert wl["sync"]["capture_side_default_priority_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
@@ -108,9 +110,9 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 14 figures, then the callback's 3
-    assert last[-60].split()[:2] == ["workload", "figure"]
-    assert all(line.split()[0] in MATRIX for line in last[-59:-3])
+    # the goals table prints last: 4 workloads x 15 figures, then the callback's 3
+    assert last[-64].split()[:2] == ["workload", "figure"]
+    assert all(line.split()[0] in MATRIX for line in last[-63:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
 
@@ -149,6 +151,13 @@ def test_goals_are_judged_against_the_issue_limits():
     assert good["sync capture step, statistics on a side stream vs the current stream"] is None  # a figure, no goal
     assert good["pipelined TCov=1, statistics on a side stream vs the default stream setting"] is None
     assert good["sync capture step, Python hooks vs C++ gradient taps (the default)"] is None
+    # a run from before the side stream's priority was compared has no row for it; a later one has it, without a goal
+    priority = "sync capture step, side stream at default priority vs high priority (the default)"
+    assert priority not in good
+    later = synthetic()
+    later["sync"]["default_vs_high_priority_ratio"] = {"median": 1.02, "p10": 1.0, "p90": 1.04, "n": 30}
+    row = {g["figure"]: g for g in goals(wls["resnet18"], later)}[priority]
+    assert row["met"] is None and row["value"] == 1.02
     assert good["capture-step peak memory, statistics on a side stream, vs normal"] is None  # not the default
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
