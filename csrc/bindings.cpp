@@ -245,7 +245,7 @@ each True must be followed by capture_side_exit().)doc",
   m.def("capture_side_exit", &lightning_cafin::side_exit, "Restore the stream capture_side_enter replaced.");
   m.def("capture_side_high_priority", &lightning_cafin::set_side_high_priority,
         R"doc(Whether the capture side stream used from now on is one of torch's high-priority
-streams (True, the default) or a default-priority one (False); returns the setting before.)doc",
+streams (True) or a default-priority one (False, the default); returns the setting before.)doc",
         py::arg("high"));
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");

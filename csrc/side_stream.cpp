@@ -28,11 +28,11 @@ std::mutex& side_mutex() {
   return mu;
 }
 
-// High by default: on an H100 a default-priority side stream's kernels waited for the
-// backward pass's in some processes and ran beside them in others; a high-priority one ran
-// beside them in every process measured (docs/results/side-stream-priority-h100-641e14a.txt).
+// Default priority by default: on H100s, whether the side stream's kernels ran beside the
+// backward pass's followed the stream, in one process the default-priority one and in another
+// the high-priority one (docs/results/side-stream-priority-h100-e4859e1.txt), not the priority.
 std::atomic<bool>& high_priority() {
-  static std::atomic<bool> high{true};
+  static std::atomic<bool> high{false};
   return high;
 }
 

@@ -47,7 +47,7 @@ void side_exit();
 
 // Whether the side stream used from now on is one of torch's high-priority streams (the
 // block scheduler then starts its kernels' blocks before pending ones of default-priority
-// streams: the backward pass's; the default) or a default-priority one; returns the
+// streams: the backward pass's) or a default-priority one (the default); returns the
 // setting before.
 bool set_side_high_priority(bool high);
 

@@ -43,9 +43,9 @@ current stream.  The extension takes its side stream from torch's pool when firs
 taking ``n`` streams first moves it ``n`` along the pool.  On an H100 at e9a5d2a
 (``docs/results/side-stream-queues-h100-e9a5d2a.txt``) a spin on every pooled stream tried ran
 beside one on the default stream, made in any order, in the backward pass or not, and with
-``CUDA_DEVICE_MAX_CONNECTIONS=1``: the queues do not explain it there.  At 641e14a
-(``docs/results/side-stream-priority-h100-641e14a.txt``) a high-priority side stream had the gain in
-processes where a default-priority one did not; it is the default since b55d766.
+``CUDA_DEVICE_MAX_CONNECTIONS=1``: the queues do not explain it there.  Of two side streams in
+one process (default and high priority), one had the gain and the other not, which one changing
+with the process (``docs/results/side-stream-priority-h100-e4859e1.txt``): it follows the stream.
 
 On an H100 at cc8b6d1 a first form of this script measured the GPT's capture step at
 +2.02-2.14 ms (1.047x-1.049x) against +2.24-2.32 ms (1.052x-1.053x) without that commit's

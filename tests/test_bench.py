@@ -77,7 +77,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
                 "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_uses_taps",
                 "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio",
-                "capture_side_default_priority_ms", "default_vs_high_priority_ratio"} <= set(wl["sync"])
+                "capture_side_high_priority_ms", "high_vs_default_priority_ratio"} <= set(wl["sync"])
         assert wl["sync"]["capture_uses_taps"] is True  # the default: what users run
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
@@ -102,7 +102,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert (auto["side"] is None) == (not torch.cuda.is_available()), auto
         for stream in ("current", "side", "auto"):  # each setting timed explicitly, as often as the default
             assert wl["sync"][f"capture_{stream}_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"], stream
-        assert wl["sync"]["capture_side_default_priority_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
+        assert wl["sync"]["capture_side_high_priority_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
@@ -152,10 +152,10 @@ def test_goals_are_judged_against_the_issue_limits():
     assert good["pipelined TCov=1, statistics on a side stream vs the default stream setting"] is None
     assert good["sync capture step, Python hooks vs C++ gradient taps (the default)"] is None
     # a run from before the side stream's priority was compared has no row for it; a later one has it, without a goal
-    priority = "sync capture step, side stream at default priority vs high priority (the default)"
+    priority = "sync capture step, side stream at high priority vs default priority (the default)"
     assert priority not in good
     later = synthetic()
-    later["sync"]["default_vs_high_priority_ratio"] = {"median": 1.02, "p10": 1.0, "p90": 1.04, "n": 30}
+    later["sync"]["high_vs_default_priority_ratio"] = {"median": 1.02, "p10": 1.0, "p90": 1.04, "n": 30}
     row = {g["figure"]: g for g in goals(wls["resnet18"], later)}[priority]
     assert row["met"] is None and row["value"] == 1.02
     assert good["capture-step peak memory, statistics on a side stream, vs normal"] is None  # not the default
@@ -259,8 +259,8 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
 def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
     """A user's capture steps repeat one another, so each takes the factor update kept from
     the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
-    though it times a capture step with the Python hooks and one with each stream setting
-    between them, and it records that they did (with a stand-in extension that counts the
+    though it times a capture step with the Python hooks, one with each stream setting and one
+    on the high-priority side stream between them, and it records that they did (with a stand-in extension that counts the
     layers each kept launch took)."""
     from lightning_cafin.bench.matrix import (NEVER, STREAM_SETTINGS, adafisher, capture_step_on,
                                               capture_step_with_python_hooks, measure_host_phases,
@@ -273,8 +273,9 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     assert r["sync"]["capture_kept_launch_share"] == 1.0 and r["host"]["capture_kept_launch_share"] == 1.0
     layers = r["host"]["layers"]
     # the untimed capture step kept it; every timed C++-tap capture step took it: each round's
-    # default one and one per stream setting, then the host phases' ones
-    assert kernels_on_cpu.calls == [layers] * ((2 + len(STREAM_SETTINGS)) * cfg.sync_reps)
+    # default one, one per stream setting and the high-priority side stream's, then the host
+    # phases' ones
+    assert kernels_on_cpu.calls == [layers] * ((3 + len(STREAM_SETTINGS)) * cfg.sync_reps)
 
     kernels_on_cpu.calls.clear()
     t = adafisher(wl, dev, wl.batch(dev), NEVER)

@@ -59,16 +59,14 @@ capture step's goals, and missed bf16 + channels_last's by more.
 The bench matrix times every setting (``sync``: the current stream, the side stream and
 ``"auto"`` explicitly; ``pipelined.tcov1_side_stream`` against the default).
 
-The side stream is one of torch's high-priority streams (:func:`side_priority`; the block
-scheduler starts its kernels' blocks before pending ones of the default-priority current
-stream).  At default priority, on an H100, whether its kernels ran beside the backward pass
-or after it changed from process to process (``side-stream-per-process-h100-e855321.txt``:
-ResNet-18 +1.02 to +1.09 ms above a normal step in one process, +0.64 to +0.69 in others);
-in one call at 641e14a (``side-stream-priority-h100-641e14a.txt``), in processes where a
-default-priority side stream gained nothing, a high-priority one took ResNet-18 from +1.08
-to +0.73 ms, ResNet-50 from +3.38 to +2.47 ms and the GPT from +2.18 to +1.58 ms above a
-normal step, bf16 + channels_last unchanged (1.005x).  The bench matrix times both
-(``sync.default_vs_high_priority_ratio``).
+Whether the side stream's kernels run beside the backward pass or after it has changed from
+process to process on H100s (``side-stream-per-process-h100-e855321.txt``: ResNet-18 +1.02 to
++1.09 ms above a normal step in one process, +0.64 to +0.69 in others), and it follows the
+stream: in one process, of two side streams (one of torch's default-priority streams, the
+default, and a high-priority one, :func:`side_priority`) one had the gain and the other none,
+the default-priority one in one process and the high-priority one in another
+(``side-stream-priority-h100-e4859e1.txt``).  The bench matrix times both
+(``sync.high_vs_default_priority_ratio``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the
@@ -281,10 +279,10 @@ def beside(*reads: Tensor) -> ContextManager[None]:
 
 @contextlib.contextmanager
 def side_priority(high: bool) -> Iterator[None]:
-    """Inside: the side stream is one of torch's high-priority streams (True: the extension's
-    default, whose kernels' blocks the block scheduler starts before pending ones of the
-    backward pass on the default-priority current stream) or a default-priority one (False:
-    the bench's comparison), the previous priority restored after it.  Loads the extension."""
+    """Inside: the side stream is one of torch's high-priority streams (True: the bench's
+    comparison; the block scheduler starts its kernels' blocks before pending ones of the
+    default-priority current stream) or a default-priority one (False: the extension's
+    default), the previous priority restored after it.  Loads the extension."""
     from ..kernels.loader import load_extension
 
     ext = load_extension()
