@@ -28,9 +28,10 @@ std::mutex& side_mutex() {
   return mu;
 }
 
-// Default priority by default: on H100s, whether the side stream's kernels ran beside the
-// backward pass's followed the stream, in one process the default-priority one and in another
-// the high-priority one (docs/results/side-stream-priority-h100-e4859e1.txt), not the priority.
+// Default priority unless set: on H100s, whether the side stream's kernels ran beside the
+// backward pass's followed the stream, not its priority (in one process the default-priority
+// one did and the high-priority one not, in another the other way round:
+// docs/results/side-stream-priority-h100-e4859e1.txt).
 std::atomic<bool>& high_priority() {
   static std::atomic<bool> high{false};
   return high;

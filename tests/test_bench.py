@@ -260,8 +260,8 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     """A user's capture steps repeat one another, so each takes the factor update kept from
     the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
     though it times a capture step with the Python hooks, one with each stream setting and one
-    on the high-priority side stream between them, and it records that they did (with a stand-in extension that counts the
-    layers each kept launch took)."""
+    on the high-priority side stream between them, and it records that they did (with a
+    stand-in extension that counts the layers each kept launch took)."""
     from lightning_cafin.bench.matrix import (NEVER, STREAM_SETTINGS, adafisher, capture_step_on,
                                               capture_step_with_python_hooks, measure_host_phases,
                                               measure_sync_step_state)
