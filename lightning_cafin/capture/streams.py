@@ -62,10 +62,11 @@ The bench matrix times every setting (``sync``: the current stream, the side str
 Whether the side stream's kernels run beside the backward pass or after it has changed from
 process to process on H100s (``side-stream-per-process-h100-e855321.txt``: ResNet-18 +1.02 to
 +1.09 ms above a normal step in one process, +0.64 to +0.69 in others), and it follows the
-stream: in one process, of two side streams (one of torch's default-priority streams, the
-default, and a high-priority one, :func:`side_priority`) one had the gain and the other none,
-the default-priority one in one process and the high-priority one in another
-(``side-stream-priority-h100-e4859e1.txt``).  The bench matrix times both
+stream, not its priority: of two side streams in one process (one of torch's default-priority
+streams, the default, and a high-priority one, :func:`side_priority`), one had the gain and
+the other none, the default-priority one in one process and the high-priority one in another,
+and in some processes both had it (``side-stream-priority-h100-641e14a.txt``,
+``side-stream-priority-h100-e4859e1.txt``).  The bench matrix times both
 (``sync.high_vs_default_priority_ratio``).
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
