@@ -30,13 +30,14 @@ import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_cafin.bench.matrix import NEVER, adafisher, capture_stream_set
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+from lightning_cafin.capture.streams import side_priority
 
 #: the script's counts: flag -> (default, help)
 COUNTS = {"steps": (5, "profiled steps of each kind"), "warmup": (2, "steps of each kind before them")}
@@ -48,7 +49,12 @@ MIN_GAP_US = 1.0
 FIGURES = {
     "span": "span", "main_busy": "main busy", "main_ours": "main ours", "side_busy": "side busy",
     "host_bound": "host-bound", "host_gaps": "host gaps", "held_back": "held back", "side_in_held": "side in held",
+    "side_beside": "side beside", "side_waited": "side waited", "device_mallocs": "cudaMallocs",
 }
+
+#: the allocator's counts whose change over a step is ``device_mallocs``: its calls to the
+#: driver (an allocation the cached blocks could not serve, a release of cached blocks)
+ALLOCATOR_CALLS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,13 @@ def split_gaps(kernels: list[Kernel]) -> dict[str, float]:
     package's share of it, the other streams' kernel time, and the main stream's gaps split
     into host-bound (its next kernel launched after the gap began) and held back (launched
     before: a wait, or the other streams' kernels holding the device), with the other
-    streams' kernel time inside the held-back gaps."""
+    streams' kernel time inside the held-back gaps; and of the other streams' kernels, their
+    time beside the main stream's kernels (``side_beside``) and how long they waited after
+    they could have started (``side_waited``: from the later of the end of their stream's
+    kernel before and the end of the last main-stream kernel launched before them, the work
+    a side stream is ordered after, to their start; kernels of unknown launch not counted).
+    The two tell a side stream that runs beside the backward pass from one whose kernels
+    start only once the main stream's work is done."""
     busy: dict[int, float] = {}
     for k in kernels:
         busy[k.stream] = busy.get(k.stream, 0.0) + (k.end - k.start)
@@ -89,35 +101,88 @@ def split_gaps(kernels: list[Kernel]) -> dict[str, float]:
                 held += gap
                 side_in_held += sum(max(0.0, min(s.end, k.start) - max(s.start, end)) for s in side)
         end = max(end, k.end)
+    beside, waited = side_timing(ours, side)
     ms = 1e-3
     return {"span": (end - ours[0].start) * ms, "main_busy": busy[main] * ms,
             "main_ours": sum(k.end - k.start for k in ours if k.ours) * ms,
             "side_busy": sum(k.end - k.start for k in side) * ms, "host_bound": host * ms,
-            "host_gaps": float(host_gaps), "held_back": held * ms, "side_in_held": side_in_held * ms}
+            "host_gaps": float(host_gaps), "held_back": held * ms, "side_in_held": side_in_held * ms,
+            "side_beside": beside * ms, "side_waited": waited * ms}
 
 
-#: the step kinds, in a round's first order: name -> the capture step's stream (None: a normal step)
-KINDS = {"normal": None, "capture, side stream": True, "capture, current stream": False}
+def side_timing(main: list[Kernel], side: list[Kernel]) -> tuple[float, float]:
+    """(us) The side kernels' time beside main-stream kernels, and their waits after they
+    could have started (``split_gaps``); ``main`` sorted by start."""
+    beside = waited = 0.0
+    for k in side:
+        beside += sum(max(0.0, min(k.end, m.end) - max(k.start, m.start)) for m in main)
+    last_end: dict[int, float] = {}
+    for k in sorted(side, key=lambda k: k.start):
+        before = last_end.get(k.stream)
+        last_end[k.stream] = k.end
+        if k.launched is None:
+            continue
+        after = [m.end for m in main if m.launched is not None and m.launched < k.launched]
+        after += [] if before is None else [before]
+        if after:  # (a first kernel launched before any main-stream kernel waited for nothing known)
+            waited += max(0.0, k.start - max(after))
+    return beside, waited
 
 
-def profiled_step(trainer, device: torch.device, stream: Optional[bool]) -> list[Kernel]:
+#: the step kinds, in a round's first order: name -> the capture step's stream (None: a normal
+#: step; HIGH: the side stream at high priority, a second side stream in the process)
+HIGH = "high"
+StepStream = Union[None, bool, str]
+KINDS = {"normal": None, "capture, side stream": True, "capture, high-priority side stream": HIGH,
+         "capture, current stream": False}
+
+
+def allocator_calls(device: torch.device) -> int:
+    """The caching allocator's calls to the driver so far (``ALLOCATOR_CALLS``)."""
+    stats = torch.cuda.memory_stats(device)
+    return sum(int(stats.get(key, 0)) for key in ALLOCATOR_CALLS)
+
+
+def stream_setting(trainer, stream: StepStream) -> contextlib.AbstractContextManager:
+    """The capture stream (and side-stream priority) of a step of ``stream``'s kind."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if stream == HIGH:
+        scope = contextlib.ExitStack()
+        scope.enter_context(side_priority(True))
+        scope.enter_context(capture_stream_set(trainer, True))
+        return scope
+    return capture_stream_set(trainer, bool(stream))
+
+
+def profiled_step(trainer, device: torch.device, stream: StepStream) -> tuple[list[Kernel], int]:
     """One synchronised step (a capture step with its statistics on the side stream where
-    ``stream``, on the current one where False; a normal step where None), its kernels
-    (copies and fills left out) with their launch calls' start times."""
+    ``stream`` is True, on a high-priority side stream where HIGH, on the current stream
+    where False; a normal step where None): its kernels
+    (copies and fills left out) with their launch calls' start times, and the allocator's
+    calls to the driver during it."""
     torch.cuda.synchronize(device)
-    with contextlib.nullcontext() if stream is None else capture_stream_set(trainer, stream):
+    with stream_setting(trainer, stream):
         if stream is not None:
             trainer.opt.capture_next_step()
+        calls = allocator_calls(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             trainer.step()
             torch.cuda.synchronize(device)
+        calls = allocator_calls(device) - calls
     events = list(prof.profiler.kineto_results.events())
     on_device = torch.autograd.DeviceType.CUDA
     launched = {e.correlation_id(): e.start_ns() / 1e3 for e in events
                 if e.device_type() != on_device and e.name().startswith("cuda")}
     return [Kernel(e.start_ns() / 1e3, e.end_ns() / 1e3, e.device_resource_id(), "lightning_cafin" in e.name(),
                    launched.get(e.correlation_id()))
-            for e in events if e.device_type() == on_device and not e.name().startswith(("Memcpy", "Memset"))]
+            for e in events if e.device_type() == on_device and not e.name().startswith(("Memcpy", "Memset"))], calls
+
+
+def step_figures(trainer, device: torch.device, stream: StepStream) -> dict[str, float]:
+    """``split_gaps`` of one ``profiled_step``, with its allocator calls (``device_mallocs``)."""
+    kernels, calls = profiled_step(trainer, device, stream)
+    return {**split_gaps(kernels), "device_mallocs": float(calls)}
 
 
 def table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -143,8 +208,8 @@ def report(wl: Workload, device: torch.device, steps: int, warmup: int) -> str:
     rows: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     order = list(KINDS)
     for i in range(steps):
-        for kind in order[i % 3:] + order[:i % 3]:  # (each kind first as often as the others)
-            rows[kind].append(split_gaps(profiled_step(trainer, device, KINDS[kind])))
+        for kind in order[i % len(order):] + order[:i % len(order)]:  # (each kind first as often as the others)
+            rows[kind].append(step_figures(trainer, device, KINDS[kind]))
     del trainer
     torch.cuda.empty_cache()
     return "\n".join([f"workload {wl.name}: {wl.description}; the main stream's time in a synchronised step, ms "

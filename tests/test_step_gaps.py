@@ -26,7 +26,10 @@ def test_a_gap_is_host_bound_where_its_next_kernel_was_launched_after_it_began()
                kernel(300, 420, stream=9, launched=5), kernel(500, 520, stream=9)]
     got = load().split_gaps(kernels)
     assert got == pytest.approx({"span": 0.5, "main_busy": 0.3, "main_ours": 0.1, "side_busy": 0.14,
-                                 "host_bound": 0.05, "host_gaps": 1.0, "held_back": 0.15, "side_in_held": 0.1})
+                                 "host_bound": 0.05, "host_gaps": 1.0, "held_back": 0.15, "side_in_held": 0.1,
+                                 # the side kernel 300..420 beside the main one 400..500 for 20 us; launched after
+                                 # the main kernel 0..100, it could have started at 100
+                                 "side_beside": 0.02, "side_waited": 0.2})
 
 
 def test_the_main_stream_is_the_busiest_and_back_to_back_kernels_leave_no_gap():
@@ -38,6 +41,23 @@ def test_the_main_stream_is_the_busiest_and_back_to_back_kernels_leave_no_gap():
     assert got["main_busy"] == pytest.approx(0.2895) and got["side_busy"] == pytest.approx(0.05)
     assert got["host_bound"] == 0 and got["host_gaps"] == 0 and got["held_back"] == pytest.approx(0.01)
     assert got["side_in_held"] == 0  # the other stream's kernel ended before the gap
+
+
+def test_a_side_kernel_waits_from_the_later_of_its_streams_kernel_before_and_the_main_work_launched_before_it():
+    # main: [0, 100] launched at 0, [100, 300] launched at 50, [300, 400] launched at 90.
+    # side a (stream 9), launched at 60 (after the first two main kernels): starts at 350, 50
+    # after the second main kernel's end; side b (stream 9) launched at 61 starts at 360, right
+    # after a; side c (stream 8) launched at 95 (after all three) starts at 400 (no wait)
+    main = [kernel(0, 100, launched=0), kernel(100, 300, launched=50), kernel(300, 400, launched=90)]
+    side = [kernel(350, 360, stream=9, launched=60), kernel(360, 370, stream=9, launched=61),
+            kernel(400, 410, stream=8, launched=95)]
+    beside, waited = load().side_timing(main, side)
+    assert beside == pytest.approx(20.0)  # a and b beside the third main kernel
+    assert waited == pytest.approx(50.0)
+    # the same side kernels at the times the main ones allowed: no wait, all beside
+    early = [kernel(300, 310, stream=9, launched=60), kernel(310, 320, stream=9, launched=61),
+             kernel(400, 410, stream=8, launched=95)]
+    assert load().side_timing(main, early) == pytest.approx((20.0, 0.0))
 
 
 def test_the_table_has_each_kind_and_each_capture_steps_excess():
