@@ -1,5 +1,6 @@
 """The main stream's idle time inside synchronised training steps, split by its cause, for a
-normal step and a capture step with its statistics on the side stream and on the current one.
+normal step and a capture step with its statistics on the side stream (at default and at high
+priority: two side streams in one process) and on the current one.
 
     python scripts/step_gaps.py --workload resnet50
     python scripts/step_gaps.py --workload gpt --steps 9
@@ -49,7 +50,8 @@ MIN_GAP_US = 1.0
 FIGURES = {
     "span": "span", "main_busy": "main busy", "main_ours": "main ours", "side_busy": "side busy",
     "host_bound": "host-bound", "host_gaps": "host gaps", "held_back": "held back", "side_in_held": "side in held",
-    "side_beside": "side beside", "side_waited": "side waited", "device_mallocs": "cudaMallocs",
+    "side_beside": "side beside", "side_waited": "side waited", "side_tail": "side tail",
+    "device_mallocs": "cudaMallocs",
 }
 
 #: the allocator's counts whose change over a step is ``device_mallocs``: its calls to the
@@ -79,9 +81,11 @@ def split_gaps(kernels: list[Kernel]) -> dict[str, float]:
     time beside the main stream's kernels (``side_beside``) and how long they waited after
     they could have started (``side_waited``: from the later of the end of their stream's
     kernel before and the end of the last main-stream kernel launched before them, the work
-    a side stream is ordered after, to their start; kernels of unknown launch not counted).
-    The two tell a side stream that runs beside the backward pass from one whose kernels
-    start only once the main stream's work is done."""
+    a side stream is ordered after, to their start; kernels of unknown launch not counted),
+    and the main stream's gap that the last of them ended in (``side_tail``: the side work
+    left when the main stream had nothing else to run, the join's wait).  The first two tell
+    a side stream that runs beside the backward pass from one whose kernels start only once
+    the main stream's work is done; the third, what of the side work no main work hides."""
     busy: dict[int, float] = {}
     for k in kernels:
         busy[k.stream] = busy.get(k.stream, 0.0) + (k.end - k.start)
@@ -102,12 +106,26 @@ def split_gaps(kernels: list[Kernel]) -> dict[str, float]:
                 side_in_held += sum(max(0.0, min(s.end, k.start) - max(s.start, end)) for s in side)
         end = max(end, k.end)
     beside, waited = side_timing(ours, side)
+    tail = tail_gap(ours, max((k.end for k in side), default=None))
     ms = 1e-3
     return {"span": (end - ours[0].start) * ms, "main_busy": busy[main] * ms,
             "main_ours": sum(k.end - k.start for k in ours if k.ours) * ms,
             "side_busy": sum(k.end - k.start for k in side) * ms, "host_bound": host * ms,
             "host_gaps": float(host_gaps), "held_back": held * ms, "side_in_held": side_in_held * ms,
-            "side_beside": beside * ms, "side_waited": waited * ms}
+            "side_beside": beside * ms, "side_waited": waited * ms, "side_tail": tail * ms}
+
+
+def tail_gap(main: list[Kernel], at: Optional[float]) -> float:
+    """(us) The main stream's gap (between the end of all its kernels before and its next
+    kernel's start) that the time ``at`` falls in; 0 where a main kernel runs at ``at``, none
+    starts after it, or ``at`` is None."""
+    if at is None:
+        return 0.0
+    ended = [m.end for m in main if m.start < at]
+    later = [m.start for m in main if m.start >= at]
+    if not ended or not later or max(ended) >= at:
+        return 0.0
+    return min(later) - max(ended)
 
 
 def side_timing(main: list[Kernel], side: list[Kernel]) -> tuple[float, float]:

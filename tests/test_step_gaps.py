@@ -29,7 +29,9 @@ def test_a_gap_is_host_bound_where_its_next_kernel_was_launched_after_it_began()
                                  "host_bound": 0.05, "host_gaps": 1.0, "held_back": 0.15, "side_in_held": 0.1,
                                  # the side kernel 300..420 beside the main one 400..500 for 20 us; launched after
                                  # the main kernel 0..100, it could have started at 100
-                                 "side_beside": 0.02, "side_waited": 0.2})
+                                 "side_beside": 0.02, "side_waited": 0.2,
+                                 # the last side kernel ended at 520, after the main stream's last kernel
+                                 "side_tail": 0.0})
 
 
 def test_the_main_stream_is_the_busiest_and_back_to_back_kernels_leave_no_gap():
@@ -58,6 +60,14 @@ def test_a_side_kernel_waits_from_the_later_of_its_streams_kernel_before_and_the
     early = [kernel(300, 310, stream=9, launched=60), kernel(310, 320, stream=9, launched=61),
              kernel(400, 410, stream=8, launched=95)]
     assert load().side_timing(main, early) == pytest.approx((20.0, 0.0))
+
+
+def test_the_side_tail_is_the_main_streams_gap_the_side_work_ended_in():
+    main = [kernel(0, 100), kernel(100, 300), kernel(450, 500)]
+    gap = load().tail_gap
+    assert gap(main, 400) == pytest.approx(150.0)  # the gap 300..450
+    assert gap(main, 200) == 0  # the main stream was running
+    assert gap(main, 600) == 0 and gap(main, None) == 0  # nothing of the main stream after it
 
 
 def test_the_table_has_each_kind_and_each_capture_steps_excess():
