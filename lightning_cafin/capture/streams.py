@@ -294,6 +294,25 @@ def side_priority(high: bool) -> Iterator[None]:
         ext.capture_side_high_priority(previous)
 
 
+@contextlib.contextmanager
+def inputs_in_forward(on: bool) -> Iterator[None]:
+    """Inside: a layer whose statistics go to the side stream reads its input's in the
+    forward, beside the rest of the forward (True), rather than with its gradient in the
+    backward (False: the extension's default), the previous setting restored after it.  Why
+    it is there: a backward's first layers come last, and their statistics' reads run after
+    the backward's other work, where nothing hides them; read in the forward, half of each
+    is done before.  Not measured yet: an A/B (``scripts/capture_variants.py``).  Loads the
+    extension."""
+    from ..kernels.loader import load_extension
+
+    ext = load_extension()
+    previous = ext.capture_inputs_in_forward(bool(on))
+    try:
+        yield
+    finally:
+        ext.capture_inputs_in_forward(previous)
+
+
 def join() -> None:
     """Make the current stream of every device with side work wait for it."""
     ext = _kernels.loaded_extension()

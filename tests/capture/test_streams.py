@@ -74,3 +74,19 @@ def test_side_priority_sets_the_extensions_priority_inside_and_restores_it_after
             assert ext.capture_side_high_priority(True) is True
             raise RuntimeError("inside")
     assert ext.capture_side_high_priority(False) is False
+
+
+def test_inputs_in_forward_sets_the_extensions_setting_inside_and_restores_it_after_an_error():
+    """The inputs' statistics are read with the gradient unless ``inputs_in_forward(True)``
+    says otherwise; the extension's setting is what ``TapPlan.tap`` reads."""
+    from lightning_cafin.kernels.loader import extension_if_built
+
+    ext = extension_if_built()
+    if ext is None:
+        pytest.skip("the extension is not built here (CI builds it)")
+    assert ext.capture_inputs_in_forward(False) is False  # the default, untouched by earlier tests
+    with pytest.raises(RuntimeError, match="inside"):
+        with streams.inputs_in_forward(True):
+            assert ext.capture_inputs_in_forward(True) is True
+            raise RuntimeError("inside")
+    assert ext.capture_inputs_in_forward(False) is False

@@ -1,0 +1,93 @@
+"""A capture step's variants side by side in one process, per workload: the statistics on the
+current stream, on the side stream, on a high-priority side stream, and on the side stream with
+the layer inputs' statistics read in the forward, each above a normal step.
+
+    python scripts/capture_variants.py --workload resnet50
+    python scripts/capture_variants.py --device cpu --quick --steps 2   # a smoke run
+
+Why one process: on H100s whether the side stream's statistics ran beside the backward pass
+changed from process to process, and followed the stream (of two side streams in one
+process, one had the gain and the other not: ``docs/results/side-stream-priority-h100-e4859e1.txt``),
+so variants timed in separate processes compare processes, not variants.  Here every variant
+meets the same process, the same two side streams and the same host, in interleaved rounds.
+
+The inputs-in-the-forward variant (``capture.streams.inputs_in_forward``) is the question of
+the ResNet-50 capture step above its 5% goal: a backward's first layers come last, and their
+statistics' reads run after the rest of the backward, where nothing hides them; read in the
+forward, the input's half of each is done before.
+
+What is timed: the workload's AdaFisher(W) with ``TCov`` never and ``capture_stream=True``
+(the bench's optimizer), three untimed steps of each variant, then ``--steps`` rounds of a
+synchronised normal step and one capture step of each variant, in turn (``bench.timing``'s
+``interleaved`` and ``elapsed_ms``); per variant the paired difference from the normal step
+(median [p10, p90]) and the ratio; then each side-stream variant over the side stream's.  On
+a CPU (a smoke run) the streams and settings do not apply: every variant is the current
+stream's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from lightning_cafin.bench.matrix import NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on
+from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
+from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+from lightning_cafin.capture import streams
+
+#: the script's counts: flag -> (default, help)
+COUNTS = {"steps": (20, "rounds of a normal step and one capture step of each variant")}
+
+
+def capture_with_inputs_in_forward(t: Trainer) -> None:
+    """A side-stream capture step with the layer inputs' statistics read in the forward (on a
+    CPU, which has no side stream, the side-stream setting's capture step)."""
+    setting = streams.inputs_in_forward(True) if t.device.type == "cuda" else contextlib.nullcontext()
+    with setting:
+        capture_step_on(t, True)
+
+
+#: the capture variants, in report order: name -> the step
+VARIANTS: dict[str, Callable[[Trainer], None]] = {
+    "current": functools.partial(capture_step_on, stream=False),
+    "side": functools.partial(capture_step_on, stream=True),
+    "side at high priority": capture_step_at_high_priority,
+    "side, inputs in the forward": capture_with_inputs_in_forward,
+}
+
+
+def report(wl: Workload, device: torch.device, args: argparse.Namespace) -> str:
+    """One workload's line: the normal step, each variant above it, each side variant over the side stream's."""
+    trainer = adafisher(wl, device, wl.batch(device), TCov=NEVER, capture_stream=True)
+    steps = {"normal": trainer.step, **{name: functools.partial(step, trainer) for name, step in VARIANTS.items()}}
+    for _ in range(3):
+        for step in steps.values():
+            step()
+    times = interleaved({name: functools.partial(elapsed_ms, step, device) for name, step in steps.items()},
+                        args.steps)
+    normal = times["normal"]
+    parts = [f"{wl.name}: {wl.description}; {args.steps} rounds: normal {spread_text(spread(normal))} ms"]
+    for name in VARIANTS:
+        parts.append(f"{name} +{spread_text(paired(times[name], normal, diff))} ms "
+                     f"({paired(times[name], normal, ratio)['median']:.4f}x)")
+    for name in list(VARIANTS)[2:]:
+        r = paired(times[name], times["side"], ratio)
+        parts.append(f"{name} / side {r['median']:.4f}x [{r['p10']:.4f}x, {r['p90']:.4f}x]")
+    return "; ".join(parts)
+
+
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    return script_arguments(__doc__.split("\n\n")[0], COUNTS, argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return print_reports(parse(argv), report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
