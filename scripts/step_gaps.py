@@ -31,7 +31,7 @@ import contextlib
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -161,24 +161,19 @@ def allocator_calls(device: torch.device) -> int:
     return sum(int(stats.get(key, 0)) for key in ALLOCATOR_CALLS)
 
 
-def stream_setting(trainer, stream: StepStream) -> contextlib.AbstractContextManager:
-    """The capture stream (and side-stream priority) of a step of ``stream``'s kind."""
-    if stream is None:
-        return contextlib.nullcontext()
-    if stream == HIGH:
-        scope = contextlib.ExitStack()
-        scope.enter_context(side_priority(True))
-        scope.enter_context(capture_stream_set(trainer, True))
-        return scope
-    return capture_stream_set(trainer, bool(stream))
+@contextlib.contextmanager
+def stream_setting(trainer, stream: StepStream) -> Iterator[None]:
+    """Inside: the capture stream (and side-stream priority) of a step of ``stream``'s kind."""
+    with side_priority(True) if stream == HIGH else contextlib.nullcontext():
+        with contextlib.nullcontext() if stream is None else capture_stream_set(trainer, stream is not False):
+            yield
 
 
 def profiled_step(trainer, device: torch.device, stream: StepStream) -> tuple[list[Kernel], int]:
     """One synchronised step (a capture step with its statistics on the side stream where
     ``stream`` is True, on a high-priority side stream where HIGH, on the current stream
-    where False; a normal step where None): its kernels
-    (copies and fills left out) with their launch calls' start times, and the allocator's
-    calls to the driver during it."""
+    where False; a normal step where None): its kernels (copies and fills left out) with
+    their launch calls' start times, and the allocator's calls to the driver during it."""
     torch.cuda.synchronize(device)
     with stream_setting(trainer, stream):
         if stream is not None:

@@ -86,6 +86,18 @@ def test_the_table_has_each_kind_and_each_capture_steps_excess():
         assert [float(v) for v in line.split()[4:]] == [excess] * len(figures)
 
 
+def test_each_step_kind_sets_its_stream_and_only_the_high_priority_kind_the_priority(monkeypatch):
+    import contextlib
+
+    script, calls = load(), []
+    monkeypatch.setattr(script, "capture_stream_set", lambda t, s: contextlib.nullcontext(calls.append(("stream", s))))
+    monkeypatch.setattr(script, "side_priority", lambda high: contextlib.nullcontext(calls.append(("high", high))))
+    for kind in script.KINDS.values():
+        with script.stream_setting(object(), kind):
+            pass
+    assert calls == [("stream", True), ("high", True), ("stream", True), ("stream", False)]
+
+
 def test_on_a_cpu_it_says_it_measures_nothing(capsys):
     assert load().main(["--quick", "--device", "cpu", "--workload", "resnet18"]) == 0
     out = capsys.readouterr().out
