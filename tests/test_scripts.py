@@ -152,3 +152,40 @@ def test_gpu_ab_refuses_a_missing_or_stale_patch_and_restores_the_checkout_after
     (tree / "speed.txt").write_text("other\n")
     stale = _run_ab(tmp_path, tree, "b.patch")
     assert stale.returncode == 2 and "does not apply" in stale.stderr
+
+
+def test_gpu_side_study_runs_the_tests_the_variants_per_workload_and_step_gaps_per_process(tmp_path):
+    """``gpu_side_study.sh`` with a stand-in python3 that logs its arguments: the build, the
+    side stream's tests, ``capture_variants.py`` per workload, ``step_gaps.py`` once per fresh
+    process, four logs under $OUT and their lines printed last."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("gpu_side_study.sh", "gpu_env.sh"):
+        shutil.copy(REPO / "scripts" / name, tree / "scripts" / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python3"
+    python.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path / "calls.txt"}\n'
+        'case "$*" in\n'
+        '  *pytest*) echo "4 passed" ;;\n'
+        '  *capture_variants*) echo "$3: normal 1 ms" ;;\n'
+        '  *step_gaps*) echo "workload resnet18"; echo "  side - normal  0.5" ;;\n'
+        "esac\n")
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(tree / "scripts" / "gpu_side_study.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                                          "SIDE_WORKLOADS": "resnet50 gpt", "SIDE_PROCESSES": "2"})
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls[0] == "-m lightning_cafin.kernels.loader --build"
+    assert calls[1].startswith("-m pytest") and "-m cuda tests/capture/test_hooks.py -k side_stream" in calls[1]
+    assert calls[2:] == ["scripts/capture_variants.py --workload resnet50 --steps 16",
+                         "scripts/capture_variants.py --workload gpt --steps 16",
+                         "scripts/step_gaps.py --workload resnet18", "scripts/step_gaps.py --workload resnet18"]
+    assert done.stdout.splitlines() == ["side-stream tests rc=0: 4 passed", "resnet50: normal 1 ms", "gpt: normal 1 ms",
+                                        "=== process 1", "  side - normal  0.5", "=== process 2",
+                                        "  side - normal  0.5"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["build.log", "gaps.log", "side_tests.log",
+                                                                     "variants.log"]
