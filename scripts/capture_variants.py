@@ -28,14 +28,14 @@ stream's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 from typing import Callable, Optional
 
 import torch
 
-from lightning_cafin.bench.matrix import NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on
+from lightning_cafin.bench.matrix import (NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on,
+                                          side_capture_step_with)
 from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 from lightning_cafin.capture import streams
@@ -44,20 +44,12 @@ from lightning_cafin.capture import streams
 COUNTS = {"steps": (20, "rounds of a normal step and one capture step of each variant")}
 
 
-def capture_with_inputs_in_forward(t: Trainer) -> None:
-    """A side-stream capture step with the layer inputs' statistics read in the forward (on a
-    CPU, which has no side stream, the side-stream setting's capture step)."""
-    setting = streams.inputs_in_forward(True) if t.device.type == "cuda" else contextlib.nullcontext()
-    with setting:
-        capture_step_on(t, True)
-
-
 #: the capture variants, in report order: name -> the step
 VARIANTS: dict[str, Callable[[Trainer], None]] = {
     "current": functools.partial(capture_step_on, stream=False),
     "side": functools.partial(capture_step_on, stream=True),
     "side at high priority": capture_step_at_high_priority,
-    "side, inputs in the forward": capture_with_inputs_in_forward,
+    "side, inputs in the forward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward),
 }
 
 

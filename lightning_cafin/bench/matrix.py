@@ -226,14 +226,19 @@ def capture_step_on(t: Trainer, stream: StreamOption) -> None:
         t.capture_step()
 
 
+def side_capture_step_with(t: Trainer, setting: Callable[[bool], contextlib.AbstractContextManager]) -> None:
+    """A capture step on the side stream inside ``setting(True)``, one of the extension's
+    side-stream settings (``capture/streams.py``'s ``side_priority``, ``inputs_in_forward``);
+    on a CPU, which has no streams and needs no extension, the side-stream setting's capture
+    step without it."""
+    with setting(True) if t.device.type == "cuda" else contextlib.nullcontext():
+        capture_step_on(t, True)
+
+
 def capture_step_at_high_priority(t: Trainer) -> None:
     """A capture step with the statistics on a high-priority side stream (the extension's
-    default is a default-priority one: ``capture/streams.py``'s ``side_priority``), a second
-    side stream beside the default's; on a CPU, which has no streams, the side-stream
-    setting's capture step."""
-    priority = capture_streams.side_priority(True) if t.device.type == "cuda" else contextlib.nullcontext()
-    with priority:
-        capture_step_on(t, True)
+    default is a default-priority one), a second side stream beside the default's."""
+    side_capture_step_with(t, capture_streams.side_priority)
 
 
 def choose_stream(t: Trainer) -> dict[str, Any]:
