@@ -1,6 +1,7 @@
 """A capture step's variants side by side in one process, per workload: the statistics on the
-current stream, on the side stream, on a high-priority side stream, and on the side stream with
-the layer inputs' statistics read in the forward, each above a normal step.
+current stream, on the side stream (the extension's settings as they are), on a high-priority
+side stream, and on the side stream with the layer inputs' statistics read in the backward and
+in the forward (either setting named, whichever is the default), each above a normal step.
 
     python scripts/capture_variants.py --workload resnet50
     python scripts/capture_variants.py --device cpu --quick --steps 2   # a smoke run
@@ -49,7 +50,10 @@ VARIANTS: dict[str, Callable[[Trainer], None]] = {
     "current": functools.partial(capture_step_on, stream=False),
     "side": functools.partial(capture_step_on, stream=True),
     "side at high priority": capture_step_at_high_priority,
-    "side, inputs in the forward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward),
+    "side, inputs in the backward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward,
+                                                      value=False),
+    "side, inputs in the forward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward,
+                                                     value=True),
 }
 
 

@@ -226,12 +226,13 @@ def capture_step_on(t: Trainer, stream: StreamOption) -> None:
         t.capture_step()
 
 
-def side_capture_step_with(t: Trainer, setting: Callable[[bool], contextlib.AbstractContextManager]) -> None:
-    """A capture step on the side stream inside ``setting(True)``, one of the extension's
+def side_capture_step_with(t: Trainer, setting: Callable[[bool], contextlib.AbstractContextManager],
+                           value: bool = True) -> None:
+    """A capture step on the side stream inside ``setting(value)``, one of the extension's
     side-stream settings (``capture/streams.py``'s ``side_priority``, ``inputs_in_forward``);
     on a CPU, which has no streams and needs no extension, the side-stream setting's capture
     step without it."""
-    with setting(True) if t.device.type == "cuda" else contextlib.nullcontext():
+    with setting(value) if t.device.type == "cuda" else contextlib.nullcontext():
         capture_step_on(t, True)
 
 
