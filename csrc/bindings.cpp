@@ -247,11 +247,6 @@ each True must be followed by capture_side_exit().)doc",
         R"doc(Whether the capture side stream used from now on is one of torch's high-priority
 streams (True) or a default-priority one (False, the default); returns the setting before.)doc",
         py::arg("high"));
-  m.def("capture_inputs_in_forward", &lightning_cafin::set_inputs_in_forward,
-        R"doc(Whether a tap on the side stream reads its layer input's statistics in the forward
-(True), beside the rest of the forward, or with the gradient in the backward (False, the
-default); returns the setting before.)doc",
-        py::arg("in_forward"));
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");
   m.def("capture_release", &lightning_cafin::capture_release,

@@ -387,15 +387,13 @@ at::Tensor channel_stats(const at::Tensor& t_in, int64_t dim, bool square, doubl
   return run_alone(p, p.n_ws, t_in);
 }
 
-at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div, bool side) {
+at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div) {
   LIGHTNING_CAFIN_RECORD_OP("input_stats");
   const c10::NoGradGuard no_grad;  // (x may require grad: TapPlan.tap_read reads it as given)
   if (x.defined() && x.device().is_cpu()) return input_stats_reference(x, input_op, input_div);
   check_input(x, kInput, "x");
   const bool conv = is_conv_op(input_op, kInput);
   const c10::cuda::CUDAGuard guard(x.device());
-  const SideScope scope(x, side);  // see conv_input_stats
-  scope.reads(x);
   if (conv) {
     const ConvPlan p = plan_conv_op(x, input_op);
     return run_alone(p, p.n_ws(), x);

@@ -38,10 +38,9 @@ at::Tensor channel_stats_reference(const at::Tensor& t, int64_t dim, bool square
 // Whether input_op is a convolution's ({1, kh, kw, sh, sw, pt, pl, dh, dw, groups, Ho, Wo})
 // or a channel sum's ({0, dim, square}); an error naming `op` else.
 bool is_conv_op(const std::vector<int64_t>& input_op, const char* op);
-// layer_stats' h alone, now: x read in the forward, where it may not last until the backward
-// (capture_tap.h's tap_read, on the current stream) or where the forward is to hide the read
-// (tap() with inputs_in_forward, on the side stream).  CPU tensors take the reference.
-at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div, bool side = false);
+// layer_stats' h alone, now, on the current stream: x read in the forward where it may not
+// last until the backward (capture_tap.h's tap_read).  CPU tensors take the reference.
+at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div);
 at::Tensor input_stats_reference(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div);
 std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, const at::Tensor& grad,
                                                          const std::vector<int64_t>& input_op, double input_div,

@@ -156,11 +156,6 @@ bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& outp
   return true;
 }
 
-std::atomic<bool>& inputs_in_forward() {
-  static std::atomic<bool> in_forward{false};
-  return in_forward;
-}
-
 void check_tap_args(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const char* op) {
   TORCH_CHECK(plan != nullptr, op, "plan must be a TapPlan, got None");
   TORCH_CHECK(output.defined(), op, "output must be a tensor");
@@ -310,17 +305,8 @@ void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const 
   // hold anyway (the node's edge to x's, the conv's or matmul's saved x), except where a
   // module returns its input: that one is held detached
   const bool is_output = x.unsafeGetTensorImpl() == output.unsafeGetTensorImpl();
-  if (side && x.is_cuda() && inputs_in_forward().load(std::memory_order_relaxed)) {
-    // the input's read leaves the backward's tail (the first layers' statistics, which no
-    // later backward work hides) for the forward, where the layers after it hide it
-    at::Tensor h = input_stats(x, plan->input_op, plan->input_div, /*side=*/true);
-    on_gradient(output, std::make_unique<GradientTap>(plan, std::move(h), plan->hn, side));
-    return;
-  }
   on_gradient(output, std::make_unique<LayerTap>(plan, is_output ? x.detach() : x, side));
 }
-
-bool set_inputs_in_forward(bool in_forward) { return inputs_in_forward().exchange(in_forward); }
 
 void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
                   bool side) {

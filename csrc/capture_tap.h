@@ -128,11 +128,7 @@ struct TapPlan {
 // a tensor that needs no gradient: the cast cannot be told from the graph).
 at::Tensor autocast_copy(const at::Tensor& x, const at::Tensor& output);
 
-// `x` is held (itself: a module returning its input, detached) until the hook fires; except
-// where inputs_in_forward is set and `side`: then x's statistics are read now, on the side
-// stream, beside the rest of the forward, and the hook computes only the gradient's.  (x
-// must then not change before the layer's backward, as for the hook: autograd saved it for
-// the weight's gradient and refuses a backward after an in-place change.)
+// `x` is held (itself: a module returning its input, detached) until the hook fires.
 void tap(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
 void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& output, const at::Tensor& h, double hn,
                   bool side);
@@ -150,9 +146,5 @@ void tap_gradient(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& 
 // layer norm given bf16 under autocast computes on a float32 cast), that tap, which reads
 // nothing now, except under saved-tensor hooks (their unpack would run in the forward).
 void tap_read(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& x, const at::Tensor& output, bool side);
-
-// Whether tap() on the side stream reads the input's statistics in the forward (true) or with
-// the gradient in the backward (false, the default); returns the setting before.
-bool set_inputs_in_forward(bool in_forward);
 
 }  // namespace lightning_cafin

@@ -1,7 +1,5 @@
 """A capture step's variants side by side in one process, per workload: the statistics on the
-current stream, on the side stream (the extension's settings as they are), on a high-priority
-side stream, and on the side stream with the layer inputs' statistics read in the backward and
-in the forward (either setting named, whichever is the default), each above a normal step.
+current stream, on the side stream and on a high-priority side stream, each above a normal step.
 
     python scripts/capture_variants.py --workload resnet50
     python scripts/capture_variants.py --device cpu --quick --steps 2   # a smoke run
@@ -12,16 +10,15 @@ process, one had the gain and the other not: ``docs/results/side-stream-priority
 so variants timed in separate processes compare processes, not variants.  Here every variant
 meets the same process, the same two side streams and the same host, in interleaved rounds.
 
-The inputs-in-the-forward variant (``capture.streams.inputs_in_forward``) is the question of
-the ResNet-50 capture step above its 5% goal: a backward's first layers come last, and their
-statistics' reads run after the rest of the backward, where nothing hides them; read in the
-forward, the input's half of each is done before.
+A variant that read the layer inputs' statistics in the forward, on the side stream, was timed
+here for the ResNet-50 capture step above its 5% goal and did not pay
+(``docs/results/inputs-in-forward-h100-7e7a772.txt``); it was removed.
 
 What is timed: the workload's AdaFisher(W) with ``TCov`` never and ``capture_stream=True``
 (the bench's optimizer), three untimed steps of each variant, then ``--steps`` rounds of a
 synchronised normal step and one capture step of each variant, in turn (``bench.timing``'s
 ``interleaved`` and ``elapsed_ms``); per variant the paired difference from the normal step
-(median [p10, p90]) and the ratio; then each side-stream variant over the side stream's.  On
+(median [p10, p90]) and the ratio; then the high-priority side stream's over the side stream's.  On
 a CPU (a smoke run) the streams and settings do not apply: every variant is the current
 stream's.
 """
@@ -35,11 +32,9 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_cafin.bench.matrix import (NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on,
-                                          side_capture_step_with)
+from lightning_cafin.bench.matrix import NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on
 from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
-from lightning_cafin.capture import streams
 
 #: the script's counts: flag -> (default, help)
 COUNTS = {"steps": (20, "rounds of a normal step and one capture step of each variant")}
@@ -50,10 +45,6 @@ VARIANTS: dict[str, Callable[[Trainer], None]] = {
     "current": functools.partial(capture_step_on, stream=False),
     "side": functools.partial(capture_step_on, stream=True),
     "side at high priority": capture_step_at_high_priority,
-    "side, inputs in the backward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward,
-                                                      value=False),
-    "side, inputs in the forward": functools.partial(side_capture_step_with, setting=streams.inputs_in_forward,
-                                                     value=True),
 }
 
 

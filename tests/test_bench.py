@@ -77,9 +77,7 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         assert {"normal_ms", "capture_ms", "adam_ms", "normal_vs_adam_ratio", "capture_vs_normal_ratio",
                 "capture_above_normal_ms", "capture_side_stream_ms", "side_vs_current_stream_ratio", "capture_uses_taps",
                 "capture_python_hooks_ms", "python_hooks_above_normal_ms", "python_hooks_vs_capture_ratio",
-                "capture_side_high_priority_ms", "high_vs_default_priority_ratio", "capture_side_inputs_in_forward_ms",
-                "inputs_in_forward_vs_side_stream_ratio", "inputs_in_forward_vs_normal_ratio",
-                "inputs_in_forward_above_normal_ms"} <= set(wl["sync"])
+                "capture_side_high_priority_ms", "high_vs_default_priority_ratio"} <= set(wl["sync"])
         assert wl["sync"]["capture_uses_taps"] is True  # the default: what users run
         host = wl["host"]
         assert host["layers"] >= 2 and set(host["capture_extra_us_per_layer"]) == {"forward", "backward", "step"}
@@ -98,14 +96,13 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
         for where, value in found.items():
             assert isinstance(value, float) and math.isfinite(value) and value > 0, (where, value)
         figures = [g["figure"] for g in wl["goals"]]
-        assert len(figures) == 17 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
+        assert len(figures) == 15 and all(g["value"] > 0 and math.isfinite(g["value"]) for g in wl["goals"])
         assert ("sync capture step above normal" in figures) == name.startswith("resnet18")
         auto = wl["sync"]["auto_stream"]  # capture_stream="auto" timed beside the fixed streams; off the GPU no choice
         assert (auto["side"] is None) == (not torch.cuda.is_available()), auto
         for stream in ("current", "side", "auto"):  # each setting timed explicitly, as often as the default
             assert wl["sync"][f"capture_{stream}_stream_ms"]["n"] == wl["sync"]["capture_ms"]["n"], stream
         assert wl["sync"]["capture_side_high_priority_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
-        assert wl["sync"]["capture_side_inputs_in_forward_ms"]["n"] == wl["sync"]["capture_ms"]["n"]
     assert "compiled" not in record  # a quick full run leaves the compiled step out (compiling is slow)
     callback = record["callback"]  # the callback's cost is part of the full run
     assert callback["quiet_ratio"]["median"] > 0 and len(callback["goals"]) == 3
@@ -113,8 +110,8 @@ def test_quick_benchmark_writes_table_and_json(tmp_path, capsys):
     assert "step_ms" in out and "faster than reference" in out and "dashboard host syncs per step" in out
     assert "host ms (forward, backward, step): normal " in out and "; capture with Python hooks " in out
     last = out.strip().splitlines()
-    # the goals table prints last: 4 workloads x 17 figures, then the callback's 3
-    assert last[-72].split()[:2] == ["workload", "figure"]
+    # the goals table prints last: 4 workloads x 15 figures, then the callback's 3
+    assert last[-64].split()[:2] == ["workload", "figure"]
     assert all(line.split()[0] in MATRIX for line in last[-63:-3])
     assert all(line.split()[0] == "callback" for line in last[-3:])
 
@@ -161,17 +158,6 @@ def test_goals_are_judged_against_the_issue_limits():
     later["sync"]["high_vs_default_priority_ratio"] = {"median": 1.02, "p10": 1.0, "p90": 1.04, "n": 30}
     row = {g["figure"]: g for g in goals(wls["resnet18"], later)}[priority]
     assert row["met"] is None and row["value"] == 1.02
-    # likewise the inputs' statistics read in the forward: two rows, the second as the workload's goal is measured
-    forward = "sync capture step, side stream with the inputs' statistics read in the forward vs the side stream's default"
-    assert forward not in good
-    later["sync"]["inputs_in_forward_vs_side_stream_ratio"] = {"median": 0.98, "p10": 0.97, "p90": 0.99, "n": 30}
-    later["sync"]["inputs_in_forward_above_normal_ms"] = {"median": 0.55, "p10": 0.5, "p90": 0.6, "n": 30}
-    later["sync"]["inputs_in_forward_vs_normal_ratio"] = {"median": 1.04, "p10": 1.03, "p90": 1.05, "n": 30}
-    rows = {g["figure"]: g for g in goals(wls["resnet18"], later)}
-    assert rows[forward]["value"] == 0.98 and rows[forward]["met"] is None
-    assert rows["sync capture step above normal, side stream with the inputs read in the forward"]["value"] == 0.55
-    rows = {g["figure"]: g for g in goals(wls["resnet50"], later)}
-    assert rows["sync capture step vs normal, side stream with the inputs read in the forward"]["value"] == 1.04
     assert good["capture-step peak memory, statistics on a side stream, vs normal"] is None  # not the default
     assert all(v for k, v in good.items() if v is not None)
     assert verdict("resnet18", pipelined=1.03)["pipelined TCov=100 vs Adam"] is False
@@ -273,9 +259,8 @@ def test_the_capture_step_with_python_hooks_turns_the_taps_off_for_that_step_onl
 def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_cpu):  # noqa: F811
     """A user's capture steps repeat one another, so each takes the factor update kept from
     the one before (``factors.KeptLaunch``); the bench's timed C++-tap capture steps must too,
-    though it times a capture step with the Python hooks, one with each stream setting, one
-    on the high-priority side stream and one with the inputs read in the forward between them,
-    and it records that they did (with a
+    though it times a capture step with the Python hooks, one with each stream setting and one
+    on the high-priority side stream between them, and it records that they did (with a
     stand-in extension that counts the layers each kept launch took)."""
     from lightning_cafin.bench.matrix import (NEVER, STREAM_SETTINGS, adafisher, capture_step_on,
                                               capture_step_with_python_hooks, measure_host_phases,
@@ -288,9 +273,9 @@ def test_the_timed_capture_steps_take_the_kept_launch_as_a_users_do(kernels_on_c
     assert r["sync"]["capture_kept_launch_share"] == 1.0 and r["host"]["capture_kept_launch_share"] == 1.0
     layers = r["host"]["layers"]
     # the untimed capture step kept it; every timed C++-tap capture step took it: each round's
-    # default one, one per stream setting, the high-priority side stream's and the inputs-in-the-
-    # forward one, then the host phases' ones
-    assert kernels_on_cpu.calls == [layers] * ((4 + len(STREAM_SETTINGS)) * cfg.sync_reps)
+    # default one, one per stream setting and the high-priority side stream's, then the host
+    # phases' ones
+    assert kernels_on_cpu.calls == [layers] * ((3 + len(STREAM_SETTINGS)) * cfg.sync_reps)
 
     kernels_on_cpu.calls.clear()
     t = adafisher(wl, dev, wl.batch(dev), NEVER)

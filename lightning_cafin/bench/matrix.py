@@ -226,20 +226,12 @@ def capture_step_on(t: Trainer, stream: StreamOption) -> None:
         t.capture_step()
 
 
-def side_capture_step_with(t: Trainer, setting: Callable[[bool], contextlib.AbstractContextManager],
-                           value: bool = True) -> None:
-    """A capture step on the side stream inside ``setting(value)``, one of the extension's
-    side-stream settings (``capture/streams.py``'s ``side_priority``, ``inputs_in_forward``);
-    on a CPU, which has no streams and needs no extension, the side-stream setting's capture
-    step without it."""
-    with setting(value) if t.device.type == "cuda" else contextlib.nullcontext():
-        capture_step_on(t, True)
-
-
 def capture_step_at_high_priority(t: Trainer) -> None:
     """A capture step with the statistics on a high-priority side stream (the extension's
-    default is a default-priority one), a second side stream beside the default's."""
-    side_capture_step_with(t, capture_streams.side_priority)
+    default is a default-priority one), a second side stream beside the default's; on a CPU,
+    which has no streams and needs no extension, the side-stream setting's capture step."""
+    with capture_streams.side_priority(True) if t.device.type == "cuda" else contextlib.nullcontext():
+        capture_step_on(t, True)
 
 
 def choose_stream(t: Trainer) -> dict[str, Any]:
@@ -356,8 +348,6 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
     for name, stream in STREAM_SETTINGS.items():  # each stream setting explicitly, whichever the default is
         timed[f"capture_{name}_stream"] = functools.partial(capture_step_on, ada, stream)
     timed["capture_side_high_priority"] = functools.partial(capture_step_at_high_priority, ada)
-    timed["capture_side_inputs_in_forward"] = functools.partial(side_capture_step_with, ada,
-                                                                capture_streams.inputs_in_forward)
     timed["capture_python_hooks"] = with_hooks
     sync = interleaved({k: functools.partial(elapsed_ms, fn, device) for k, fn in timed.items()}, cfg.sync_reps)
     # gradients are left from the last train step; AdaFisher's next step is a normal one
@@ -383,13 +373,6 @@ def measure_sync_step_state(wl: Workload, device: torch.device, batch, cfg: Matr
                  "capture_side_high_priority_ms": spread(sync["capture_side_high_priority"]),
                  "high_vs_default_priority_ratio": paired(sync["capture_side_high_priority"],
                                                           sync["capture_side_stream"], ratio),
-                 "capture_side_inputs_in_forward_ms": spread(sync["capture_side_inputs_in_forward"]),
-                 "inputs_in_forward_vs_side_stream_ratio": paired(sync["capture_side_inputs_in_forward"],
-                                                                  sync["capture_side_stream"], ratio),
-                 "inputs_in_forward_vs_normal_ratio": paired(sync["capture_side_inputs_in_forward"], sync["normal"],
-                                                             ratio),
-                 "inputs_in_forward_above_normal_ms": paired(sync["capture_side_inputs_in_forward"], sync["normal"],
-                                                             diff),
                  "auto_stream": auto,
                  "capture_auto_stream_ms": spread(sync["capture_auto_stream"]),
                  "auto_vs_current_stream_ratio": paired(sync["capture_auto_stream"], sync["capture_current_stream"],
@@ -497,13 +480,6 @@ def goals(wl: Workload, r: dict[str, Any]) -> list[dict[str, Any]]:
     if "high_vs_default_priority_ratio" in s:  # (older runs timed one side stream)
         rows.append(("sync capture step, side stream at high priority vs default priority (the default)",
                      med(s["high_vs_default_priority_ratio"]), "x", None))
-    if "inputs_in_forward_vs_side_stream_ratio" in s:  # (older runs read the inputs with the gradient only)
-        rows.append(("sync capture step, side stream with the inputs' statistics read in the forward vs the side "
-                     "stream's default", med(s["inputs_in_forward_vs_side_stream_ratio"]), "x", None))
-        rows.append(("sync capture step above normal, side stream with the inputs read in the forward",
-                     med(s["inputs_in_forward_above_normal_ms"]), "ms", None) if wl.capture_goal == "ms" else
-                    ("sync capture step vs normal, side stream with the inputs read in the forward",
-                     med(s["inputs_in_forward_vs_normal_ratio"]), "x", None))
     if "auto_stream" in s:  # (older runs did not time it; the stream it chose is in the detail table)
         rows.append(("sync capture step, capture_stream='auto' vs the current stream",
                      med(s["auto_vs_current_stream_ratio"]), "x", None))
@@ -537,8 +513,6 @@ def detail_table(matrix: dict[str, dict[str, Any]]) -> str:
                      f"capture on a side stream {ms(s['capture_side_stream_ms'])}; "
                      + (f"on a high-priority side stream {ms(s['capture_side_high_priority_ms'])}; "
                         if "capture_side_high_priority_ms" in s else "")
-                     + (f"on the side stream, inputs read in the forward {ms(s['capture_side_inputs_in_forward_ms'])}; "
-                        if "capture_side_inputs_in_forward_ms" in s else "")
                      + (f"capture_stream='auto' ({stream_named(s['auto_stream']['side'])}) "
                         f"{ms(s['capture_auto_stream_ms'])}; " if "auto_stream" in s else "") +
                      f"capture with Python hooks {ms(s['capture_python_hooks_ms'])}")

@@ -279,37 +279,19 @@ def beside(*reads: Tensor) -> ContextManager[None]:
 
 
 @contextlib.contextmanager
-def _extension_setting(setter: str, value: bool) -> Iterator[None]:
-    """Inside: the extension's process setting ``setter`` (a function that sets it and
-    returns the one before) is ``value``; the previous one is restored after.  Loads the
-    extension."""
-    from ..kernels.loader import load_extension
-
-    set_it = getattr(load_extension(), setter)
-    previous = set_it(bool(value))
-    try:
-        yield
-    finally:
-        set_it(previous)
-
-
-def side_priority(high: bool) -> contextlib.AbstractContextManager:
+def side_priority(high: bool) -> Iterator[None]:
     """Inside: the side stream is one of torch's high-priority streams (True: the bench's
     comparison; the block scheduler starts its kernels' blocks before pending ones of the
     default-priority current stream) or a default-priority one (False: the extension's
     default), the previous priority restored after it.  Loads the extension."""
-    return _extension_setting("capture_side_high_priority", high)
+    from ..kernels.loader import load_extension
 
-
-def inputs_in_forward(on: bool) -> contextlib.AbstractContextManager:
-    """Inside: a layer whose statistics go to the side stream reads its input's in the
-    forward, beside the rest of the forward (True), rather than with its gradient in the
-    backward (False: the extension's default), the previous setting restored after it.  Why
-    it is there: a backward's first layers come last, and their statistics' reads run after
-    the backward's other work, where nothing hides them; read in the forward, half of each
-    is done before.  Not measured yet: an A/B (``scripts/capture_variants.py``).  Loads the
-    extension."""
-    return _extension_setting("capture_inputs_in_forward", on)
+    set_high = load_extension().capture_side_high_priority
+    previous = set_high(bool(high))
+    try:
+        yield
+    finally:
+        set_high(previous)
 
 
 def join() -> None:

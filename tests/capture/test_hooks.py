@@ -95,14 +95,11 @@ def test_the_hook_lets_go_of_the_input_once_it_has_read_it():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA device")
-@pytest.mark.parametrize("priorities,in_forward", [((False, False), False), ((True, True), False),
-                                                   ((False, True), False), ((False, False), True)],
-                         ids=["default-priority", "high-priority", "priority-changed-between-micro-batches",
-                              "inputs-read-in-the-forward"])
-def test_side_stream_factors_equal_current_stream_factors(priorities, in_forward):
+@pytest.mark.parametrize("priorities", [(False, False), (True, True), (False, True)],
+                         ids=["default-priority", "high-priority", "priority-changed-between-micro-batches"])
+def test_side_stream_factors_equal_current_stream_factors(priorities):
     """The side stream (at either priority, ``capture_side_high_priority``; changed between
-    micro-batches, the first one's statistics pending on the other stream; with the layer
-    inputs' statistics read in the forward, ``capture_inputs_in_forward``) gives the current
+    micro-batches, the first one's statistics pending on the other stream) gives the current
     stream's factors and weights bit for bit."""
     from lightning_cafin import AdaFisher
     from lightning_cafin.kernels.loader import load_extension
@@ -112,7 +109,6 @@ def test_side_stream_factors_equal_current_stream_factors(priorities, in_forward
     out = []
     for side in (True, False):
         previous, high_before = streams.set_enabled(side), ext.capture_side_high_priority(False)
-        forward_before = ext.capture_inputs_in_forward(in_forward)
         try:
             torch.manual_seed(0)
             model = cifar_resnet18().cuda()
@@ -131,7 +127,6 @@ def test_side_stream_factors_equal_current_stream_factors(priorities, in_forward
         finally:
             streams.set_enabled(previous)
             ext.capture_side_high_priority(high_before)
-            ext.capture_inputs_in_forward(forward_before)
     (m_side, o_side), (m_cur, o_cur) = out
     assert o_side.binding.captures.keys() == o_cur.binding.captures.keys() and o_cur.binding.captures
     for name, cap in o_cur.binding.captures.items():
