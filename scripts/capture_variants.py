@@ -18,9 +18,9 @@ What is timed: the workload's AdaFisher(W) with ``TCov`` never and ``capture_str
 (the bench's optimizer), three untimed steps of each variant, then ``--steps`` rounds of a
 synchronised normal step and one capture step of each variant, in turn (``bench.timing``'s
 ``interleaved`` and ``elapsed_ms``); per variant the paired difference from the normal step
-(median [p10, p90]) and the ratio; then the high-priority side stream's over the side stream's.  On
-a CPU (a smoke run) the streams and settings do not apply: every variant is the current
-stream's.
+(median [p10, p90]) and the ratio; then the high-priority side stream's over the side
+stream's.  On a CPU (a smoke run) the streams and settings do not apply: every variant is the
+current stream's.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # The side stream's study on the GPU machine, in one call: build the extension, run the side
 # stream's bit-identical GPU tests, scripts/capture_variants.py per workload (every capture
 # variant in one process: which side stream had the gain there), then scripts/step_gaps.py on
-# ResNet-18 in SIDE_PROCESSES
-# fresh processes (the timelines of processes with and without the side stream's gain).
+# ResNet-18 in SIDE_PROCESSES fresh processes (the timelines of processes with and without the
+# side stream's gain).
 # Logs under $OUT (4 files), their lines last.
 # Env: SIDE_WORKLOADS (default "resnet50 resnet18"), SIDE_STEPS (capture_variants' rounds, default
 # 16), SIDE_PROCESSES (default 3).
