@@ -228,9 +228,11 @@ def capture_step_on(t: Trainer, stream: StreamOption) -> None:
 
 def capture_step_at_high_priority(t: Trainer) -> None:
     """A capture step with the statistics on a high-priority side stream (the extension's
-    default is a default-priority one), a second side stream beside the default's; on a CPU,
-    which has no streams and needs no extension, the side-stream setting's capture step."""
-    with capture_streams.side_priority(True) if t.device.type == "cuda" else contextlib.nullcontext():
+    default is a default-priority one: ``capture/streams.py``'s ``side_priority``), a second
+    side stream beside the default's; on a CPU, which has no streams, the side-stream
+    setting's capture step."""
+    priority = capture_streams.side_priority(True) if t.device.type == "cuda" else contextlib.nullcontext()
+    with priority:
         capture_step_on(t, True)
 
 

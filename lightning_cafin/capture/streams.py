@@ -286,12 +286,12 @@ def side_priority(high: bool) -> Iterator[None]:
     default), the previous priority restored after it.  Loads the extension."""
     from ..kernels.loader import load_extension
 
-    set_high = load_extension().capture_side_high_priority
-    previous = set_high(bool(high))
+    ext = load_extension()
+    previous = ext.capture_side_high_priority(bool(high))
     try:
         yield
     finally:
-        set_high(previous)
+        ext.capture_side_high_priority(previous)
 
 
 def join() -> None:

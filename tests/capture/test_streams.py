@@ -60,19 +60,17 @@ def test_under_auto_the_stream_in_use_is_the_one_chosen_and_a_new_setting_forget
         streams.set_enabled(previous)
 
 
-def test_side_priority_sets_the_extensions_setting_inside_and_restores_it_after_an_error():
+def test_side_priority_sets_the_extensions_priority_inside_and_restores_it_after_an_error():
     """The side stream is a default-priority one unless ``side_priority(True)`` says otherwise
-    (the bench's and ``capture_variants.py``'s comparison); the extension's setting is what
-    the C++ ordering reads."""
+    (the bench's comparison); the extension's setting is what the C++ ordering reads."""
     from lightning_cafin.kernels.loader import extension_if_built
 
     ext = extension_if_built()
     if ext is None:
         pytest.skip("the extension is not built here (CI builds it)")
-    set_it = ext.capture_side_high_priority
-    assert set_it(False) is False  # the default, untouched by earlier tests
+    assert ext.capture_side_high_priority(False) is False  # the default, untouched by earlier tests
     with pytest.raises(RuntimeError, match="inside"):
         with streams.side_priority(True):
-            assert set_it(True) is True
+            assert ext.capture_side_high_priority(True) is True
             raise RuntimeError("inside")
-    assert set_it(False) is False
+    assert ext.capture_side_high_priority(False) is False
