@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -66,13 +67,14 @@ int64_t wave_fitted_splits(int64_t tiles, int64_t slots, int64_t most) {
   return best;
 }
 
-// (size, stride) of dims [begin, end) merged into one, or {-1, -1} when they cannot be.
-std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64_t end) {
+// (size, stride) of dims [begin, end) but `skip` merged into one, or {-1, -1} when they
+// cannot be.
+std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64_t end, int64_t skip = -1) {
   int64_t size = 1, stride = 0;
   bool any = false;
   for (int64_t d = end - 1; d >= begin; --d) {  // innermost first
     const int64_t n = t.size(d);
-    if (n == 1) continue;
+    if (n == 1 || d == skip) continue;
     if (!any) {
       size = n;
       stride = t.stride(d);
@@ -83,6 +85,21 @@ std::pair<int64_t, int64_t> merge_dims(const at::Tensor& t, int64_t begin, int64
     }
   }
   return {size, stride};
+}
+
+// The rows kernel reads a tensor whose channels (dim `dim`) are innermost as rows of the
+// other dims in two runs, A rows of stride sa of P rows of stride sp (ChannelArgs): which
+// dims form each run does not matter to a sum over all of them.  Where the dims before and
+// after the channel dim do not each merge (a strided view such as x[:, :, ::2, ::2] of a
+// channels_last x: (B, Ho) merge where H == 2 * Ho, (Ho, Wo) never do), the first cut of
+// the other dims in order into two runs that merge, as {A, sa, P, sp}; {-1, ...} if none.
+std::array<int64_t, 4> rows_runs(const at::Tensor& t, int64_t dim) {
+  const int64_t nd = t.dim();
+  for (int64_t cut = 1; cut < nd; ++cut) {
+    const auto outer = merge_dims(t, 0, cut, dim), inner = merge_dims(t, cut, nd, dim);
+    if (outer.first >= 0 && inner.first >= 0) return {outer.first, outer.second, inner.first, inner.second};
+  }
+  return {-1, -1, -1, -1};
 }
 
 // Counter slots for two reductions of one launch, whose last blocks' counters are live
@@ -301,6 +318,18 @@ ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, doubl
         ok = false;
       }
     }
+    if (!ok && (so == 1 || O == 1)) {  // channels innermost: rows, in whichever two runs merge
+      const auto runs = rows_runs(p.t, dim);
+      if (runs[0] >= 0) {
+        a.A = runs[0];
+        a.sa = runs[1];
+        a.P = runs[2];
+        a.sp = runs[3];
+        a.O = O;
+        a.so = so;
+        p.rows = ok = true;
+      }
+    }
     if (ok) break;
     TORCH_CHECK(attempt == 0, kChan, "internal error: a contiguous tensor did not canonicalise");
     p.t = p.t.contiguous();
@@ -356,6 +385,34 @@ ConvPlan plan_conv_op(const at::Tensor& x, const std::vector<int64_t>& o) {
                    {o[10], o[11]});
 }
 
+// A 1 x 1 convolution of one group without padding reads only the input positions under
+// its one tap: every sh-th row and sw-th column (a quarter of the input at stride 2, as in
+// ResNet's strided shortcuts).  Where those positions of an input with its channels
+// innermost (channels_last) read as the rows kernel's two runs (rows_runs; the batch and
+// the tap rows merge where H == Ho * sh), the strided view whose per-channel sums of
+// squares are the statistics: one pass over those positions instead of phase 1's map of
+// the whole input and its window sums.  Undefined otherwise (then plan_conv_op's path).
+// `o` is a convolution's input_op (is_conv_op).
+at::Tensor pointwise_taps(const at::Tensor& x_in, const std::vector<int64_t>& o) {
+  const at::Tensor x = x_in.dim() == 3 ? x_in.unsqueeze(2) : x_in;
+  const int64_t sh = o[3], sw = o[4], Ho = o[10], Wo = o[11];
+  if (x.dim() != 4 || o[1] != 1 || o[2] != 1 || o[5] != 0 || o[6] != 0 || o[9] != 1 || x.numel() == 0) return {};
+  if (sh < 1 || sw < 1 || o[7] < 1 || o[8] < 1 || Ho < 1 || Wo < 1) return {};  // (plan_conv's checks raise)
+  if (Ho > x.size(2) || Wo > x.size(3) || sh > x.size(2) || sw > x.size(3)) return {};  // (no overflow below)
+  if ((Ho - 1) * sh >= x.size(2) || (Wo - 1) * sw >= x.size(3)) return {};
+  if (x.size(1) > 1 && x.stride(1) != 1) return {};
+  at::Tensor v = x.slice(2, 0, (Ho - 1) * sh + 1, sh).slice(3, 0, (Wo - 1) * sw + 1, sw);
+  return rows_runs(v, 1)[0] >= 0 ? v : at::Tensor();
+}
+
+// The per-channel plan of an input_op that is not a convolution's map and window sums: a
+// channel op's on x, or a convolution's on its pointwise taps (raw sums, as plan_conv's).
+ChannelPlan channel_input_plan(const at::Tensor& x, const at::Tensor& taps, const std::vector<int64_t>& input_op,
+                               double input_div) {
+  if (taps.defined()) return plan_channel(taps, 1, true, 0.0);
+  return plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+}
+
 }  // namespace
 
 bool is_conv_op(const std::vector<int64_t>& input_op, const char* op) {
@@ -373,6 +430,15 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   const c10::cuda::CUDAGuard guard(x_in.device());
   const SideScope scope(x_in, side);  // from here on, the current stream is the side stream
   scope.reads(x_in);
+  if (x_in.dim() == 4 && kernel.size() == 2 && stride.size() == 2 && padding.size() == 2 && dilation.size() == 2 &&
+      out_hw.size() == 2) {
+    const at::Tensor taps = pointwise_taps(x_in, {1, kernel[0], kernel[1], stride[0], stride[1], padding[0], padding[1],
+                                                  dilation[0], dilation[1], groups, out_hw[0], out_hw[1]});
+    if (taps.defined()) {
+      const ChannelPlan p = plan_channel(taps, 1, true, 0.0);
+      return run_alone(p, p.n_ws, x_in);
+    }
+  }
   const ConvPlan p = plan_conv(x_in, kernel, stride, padding, dilation, groups, out_hw);
   return run_alone(p, p.n_ws(), x_in);
 }
@@ -394,11 +460,12 @@ at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op
   check_input(x, kInput, "x");
   const bool conv = is_conv_op(input_op, kInput);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (conv) {
+  const at::Tensor taps = conv ? pointwise_taps(x, input_op) : at::Tensor();
+  if (conv && !taps.defined()) {
     const ConvPlan p = plan_conv_op(x, input_op);
     return run_alone(p, p.n_ws(), x);
   }
-  const ChannelPlan p = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+  const ChannelPlan p = channel_input_plan(x, taps, input_op, input_div);
   return run_alone(p, p.n_ws, x);
 }
 
@@ -411,7 +478,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   check_input(x, kLayer, "x");
   check_input(grad, kLayer, "grad");
   TORCH_CHECK(x.device() == grad.device(), kLayer, "x and grad must be on one device");
-  const bool conv = is_conv_op(input_op, kLayer);
+  const at::Tensor taps = is_conv_op(input_op, kLayer) ? pointwise_taps(x, input_op) : at::Tensor();
+  const bool conv = is_conv_op(input_op, kLayer) && !taps.defined();
   const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
   // one ordering for both ops, one slice of the stream's results block for both results
@@ -425,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   if (conv) {
     pc = plan_conv_op(x, input_op);
   } else {
-    px = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+    px = channel_input_plan(x, taps, input_op, input_div);
   }
   const ChannelPlan pg = plan_channel(grad, grad_dim, grad_square, grad_div);
   // Both plans take counter slots from the stream's one pool, which planning the second

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_cafin import AdaFisher
 from lightning_cafin.bench.floor import (StatisticsBytes, floor_ms, peak_bandwidth, reads_autocast_copy, reads_nothing,
-                                         statistics_bytes, statistics_floor)
+                                         statistics_bytes, statistics_floor, tap_positions_share)
 from lightning_cafin.bench.workloads import Workload
 
 CPU = torch.device("cpu")
@@ -61,6 +61,26 @@ def test_a_linear_reads_its_autocast_copy_only_where_autograd_can_have_saved_it(
     assert not reads_autocast_copy(nn.Conv1d(8, 4, 1), node, half)  # not a Linear
     linear.weight.requires_grad_(False)
     assert not reads_autocast_copy(linear, node, half)  # a frozen weight: nothing saved
+
+
+def test_a_strided_pointwise_convolution_counts_only_the_positions_under_its_tap():
+    """A 1 x 1 convolution without padding at stride 2 needs a quarter of its input (every
+    other row and column: what the extension reads of a channels_last input); padding or a
+    wider kernel covers the whole input."""
+    x = torch.randn(2, 4, 8, 6)
+    for conv, share in [(nn.Conv2d(4, 3, 1, stride=2), 4 * 3 / 48), (nn.Conv2d(4, 3, 1), 1.0),
+                        (nn.Conv2d(4, 3, 1, stride=(2, 1), padding="valid"), 4 * 6 / 48),
+                        (nn.Conv1d(4, 3, 1, stride=3), 2 / 6), (nn.Conv2d(4, 3, 1, stride=2, padding=1), 1.0),
+                        (nn.Conv2d(4, 3, 3, stride=2, padding=1), 1.0), (nn.Conv2d(4, 4, 1, stride=2, groups=2), 1.0)]:
+        xi = x[:, :, 0] if isinstance(conv, nn.Conv1d) else x
+        assert tap_positions_share(conv, xi, conv(xi)) == pytest.approx(share), conv
+    assert tap_positions_share(nn.Linear(6, 2), x, nn.Linear(6, 2)(x)) == 1.0
+    model = nn.Sequential(nn.Conv2d(4, 8, 1, stride=2), nn.Flatten(), nn.Linear(8 * 4 * 3, 2))
+    wl = Workload("conv", "a strided 1 x 1 convolution", make_model=lambda: model,
+                  make_batch=lambda dev: (torch.randn(2, 4, 8, 6, device=dev), torch.zeros(2, dtype=torch.long)),
+                  loss_fn=F.cross_entropy, ada_cls=AdaFisher, lr=1e-3, weight_decay=0.0, autocast=None)
+    read = statistics_bytes(wl, CPU)
+    assert read.layers == 2 and read.inputs == (2 * 4 * 4 * 3 + 2 * 96) * 4  # a quarter of the conv's input
 
 
 def test_the_floor_is_the_bytes_at_the_bandwidth_and_needs_a_known_bandwidth():

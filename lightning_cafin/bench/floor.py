@@ -13,8 +13,10 @@ What is counted, per layer the optimizer binds, from one forward under the workl
 autocast (``statistics_bytes``): the input at the dtype the layer received it, except for a
 Linear computing on an autocast copy of an input that has a graph node of its own (e.g.
 after a float32 LayerNorm), whose statistics read the copy autograd saved, at the output's
-dtype (``capture_tap.h``, ``autocast_copy``); and the output gradient at the output's
-dtype.  A training batch norm or a layer norm on ``(B, T, ..., D)`` with a trained bias
+dtype (``capture_tap.h``, ``autocast_copy``), and for a 1 x 1 convolution without padding
+only the positions its one tap covers (at stride 2 a quarter of the input, which is what
+the extension reads of a channels_last input, ``pointwise_taps`` in ``capture_ops.cpp``);
+and the output gradient at the output's dtype.  A training batch norm or a layer norm on ``(B, T, ..., D)`` with a trained bias
 reads neither (its statistics come from the means it saved and its bias gradient,
 ``capture/taps.py``); any other norm counts both.  Not
 counted: a 3 x 3 convolution's window sums over its per-position maps, the factor update,
@@ -23,6 +25,7 @@ launch latency: the floor is below any real figure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -58,6 +61,21 @@ def reads_autocast_copy(module: nn.Module, x: torch.Tensor, output: torch.Tensor
             and x.grad_fn is not None and output.dtype != x.dtype)
 
 
+def tap_positions_share(module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> float:
+    """The share of ``x``'s positions a convolution's statistics need: for a 1 x 1 kernel of one
+    group without padding, the positions under its one tap (its output positions over its input
+    positions); 1 for any other layer, whose window sums cover the input."""
+    if not isinstance(module, nn.modules.conv._ConvNd) or module.transposed or module.groups != 1:
+        return 1.0
+    nd = len(module.kernel_size)
+    pads = () if isinstance(module.padding, str) else module.padding  # ("same" and "valid" pad a 1 x 1 kernel by 0)
+    if any(k != 1 for k in module.kernel_size) or any(pads):
+        return 1.0
+    if x.dim() != nd + 2 or output.dim() != nd + 2:
+        return 1.0
+    return math.prod(output.shape[2:]) / math.prod(x.shape[2:])
+
+
 def statistics_bytes(wl: Workload, device: torch.device, small: Optional[int] = None,
                      batch: Optional[int] = None) -> StatisticsBytes:
     """What one capture step's statistics read on ``wl``, from a forward of its first ``small``
@@ -76,7 +94,8 @@ def statistics_bytes(wl: Workload, device: torch.device, small: Optional[int] = 
         x = inputs[0]
         if reads_nothing(module, x):
             return
-        read["inputs"] += x.numel() * (output.element_size() if reads_autocast_copy(module, x, output) else x.element_size())
+        size = output.element_size() if reads_autocast_copy(module, x, output) else x.element_size()
+        read["inputs"] += round(x.numel() * tap_positions_share(module, x, output)) * size
         read["gradients"] += output.numel() * output.element_size()
         read["layers"] += 1
 

@@ -206,9 +206,11 @@ def test_conv_input_stats_channels_last_bf16_wide_map(ext, impl):
         (40, 16, 23, 19, dict(kernel_size=3, stride=2, padding=1)),  # many blocks, a part-filled last one
         (33, 128, 9, 9, dict(kernel_size=(1, 3), padding=(0, 2), dilation=(1, 2))),
         (17, 32, 12, 12, dict(kernel_size=2, stride=2)),  # no padding, taps that skip rows
-        (20, 256, 6, 6, dict(kernel_size=1, stride=2)),  # 1 x 1: the one-tap fold
+        # (1 x 1 at stride 2 on maps of odd size: where the tap rows tile the map, the
+        # rows kernel reads the taps instead, test_strided_pointwise_conv_reads_only_its_taps)
+        (20, 256, 7, 7, dict(kernel_size=1, stride=2)),  # 1 x 1: the one-tap fold
         (9, 512, 5, 5, dict(kernel_size=1, padding=1)),  # a thread a channel, taps past every edge
-        (6, 1024, 4, 4, dict(kernel_size=1, stride=2)),  # 2-byte inputs: two channels a thread
+        (6, 1024, 5, 5, dict(kernel_size=1, stride=2)),  # 2-byte inputs: two channels a thread
     ],
 )
 def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, conv):
@@ -226,6 +228,103 @@ def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, c
     again, _ = kernel_rule(impl, m, x, "in")
     close(h, torch_rule(impl, m, x, "in")[0], STAT_RTOL)
     assert torch.equal(h, again)
+
+
+def device_kernels(fn) -> list[str]:
+    """The package's kernels that ``fn()`` launches, in order (after one call that makes the
+    stream's counter pool)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "lightning_cafin" in e.name]
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(
+    "B,C,H,W,stride",
+    [
+        (32, 256, 28, 28, 2),  # a ResNet shortcut's shape (batch cut)
+        (1, 64, 8, 9, 2),  # batch 1, odd width (the width needs no tiling: its own run)
+        (5, 40, 12, 12, (2, 1)),  # rows only
+        (7, 24, 9, 10, (3, 2)),  # stride 3 rows, 9 = 3 * 3
+        (3, 1001, 4, 4, 2),  # channels off the 16-byte grid: the realigned read
+        (2, 3, 6, 6, 2),  # fewer channels than a vector
+    ],
+)
+def test_strided_pointwise_conv_reads_only_its_taps(ext, impl, dtype, B, C, H, W, stride):
+    """A 1 x 1 convolution without padding at stride > 1 on a channels_last input whose tap
+    rows tile the map (H = Ho * sh) reads only the positions under its tap, in one launch of
+    the rows kernel with its gradient (a quarter of the input at stride 2, where phase 1 read
+    all of it): against the float64 rule, for the direct op, ``layer_stats`` and
+    ``input_stats``, a second call equal bit for bit, and no copy of the input made."""
+    m = nn.Conv2d(C, 8, 1, stride=stride, bias=False).to(DEV)
+    x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
+    g = randn(tuple(m(x.float()).shape), dtype=dtype, layout="channels_last")
+    want = torch_rule(impl, m, x, "in")[0]
+    h, _ = kernel_rule(impl, m, x, "in")
+    close(h, want, STAT_RTOL)
+    assert torch.equal(h, kernel_rule(impl, m, x, "in")[0])
+    fused = rule_for(m).fused_stats(m, x.shape, g.shape)
+    assert fused.input_op[0] == 1  # (a convolution's op: the extension reads it as rows)
+    hf, sf = fused.run(ext, x, g, False)
+    close(hf, want, STAT_RTOL)
+    close(sf, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
+    close(ext.input_stats(x, list(fused.input_op), 0.0), want, STAT_RTOL)
+    kernels = device_kernels(lambda: fused.run(ext, x, g, False))
+    assert len(kernels) == 1 and "channel_rows_kernel" in kernels[0], kernels
+    if x.numel() * x.element_size() >= 1 << 20:  # (small inputs fit in blocks the allocator already has)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fused.run(ext, x, g, False)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < x.numel() * x.element_size() // 8  # no copy of the taps
+
+
+@pytest.mark.parametrize(
+    "B,C,H,W,stride,layout",
+    [
+        (4, 32, 7, 7, 2, "channels_last"),  # 7 != 4 * 2: the batch and the tap rows do not merge
+        (4, 32, 8, 8, 2, "contiguous"),  # channels not innermost
+        (4, 32, 8, 8, 2, "channels_last_batch_sliced"),  # every other sample: the batch's stride merges nothing
+    ],
+)
+def test_strided_pointwise_conv_elsewhere_takes_the_window_sums(ext, impl, B, C, H, W, stride, layout):
+    """Where the taps are not two runs of rows, the statistics are phase 1's and the window
+    sums' (or the fold's) as before: the float64 rule, and no rows kernel."""
+    m = nn.Conv2d(C, 8, 1, stride=stride, bias=False).to(DEV)
+    if layout == "channels_last_batch_sliced":
+        x = randn((2 * B, C, H, W), dtype=torch.bfloat16, layout="channels_last")[::2]
+    else:
+        x = randn((B, C, H, W), dtype=torch.bfloat16, layout=layout)
+    close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+    ho, wo = conv_output_hw(m, (H, W))
+    kernels = device_kernels(lambda: ext.conv_input_stats(x, [1, 1], [stride, stride], [0, 0], [1, 1], 1, [ho, wo]))
+    assert kernels and not any("channel_rows_kernel" in k for k in kernels), kernels
+
+
+def test_channel_stats_reads_a_strided_view_as_rows_without_a_copy(ext):
+    """A channels-innermost view whose dims before and after the channel dim do not each
+    merge (every other row and column of a channels_last map) is read as two other runs of
+    rows (``rows_runs``), not copied: the float64 sums, and no allocation of its size."""
+    x = randn((16, 96, 20, 14), torch.bfloat16, "channels_last")
+    v = x[:, :, ::2, ::2]
+    want = v.double().square().sum((0, 2, 3))
+    close(ext.channel_stats(v, 1, True, 0.0, False), want, STAT_RTOL)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = ext.channel_stats(v, 1, True, 0.0, False)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < v.numel() * v.element_size() // 2
+    close(got, want, STAT_RTOL)
+    t = randn((6, 10, 12, 64), torch.bfloat16)[:, ::3, 1::2]  # (6, 4, 6, 64): channels last, rows in two runs
+    close(ext.channel_stats(t, -1, True, 0.0, False), t.double().square().sum((0, 1, 2)), STAT_RTOL)
 
 
 def test_conv_unbatched_input_and_other_padding_modes_fall_back(ext, impl):

@@ -11,7 +11,9 @@ On CUDA, 2-D and 1-D convolutions (a 1-D one as a 2-D one of height 1) with zero
 use the extension's ``conv_input_stats`` kernel, except pointwise ones (1 x 1 at stride 1,
 one group: :func:`pointwise`), whose window sums are the per-channel sums of squares that
 ``channel_stats`` computes in one pass; 3-D ones and other padding modes use the torch
-ops here.
+ops here.  (A 1 x 1 one without padding at a larger stride, on a channels_last input, is
+read the same way by the extension itself over the positions under its tap: a quarter of
+the input at stride 2, ``pointwise_taps`` in ``csrc/capture_ops.cpp``.)
 """
 
 from __future__ import annotations
