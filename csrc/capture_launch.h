@@ -146,6 +146,55 @@ struct RowsPair {
   int first_blocks;
 };
 
+// A 3 x 3 convolution at stride 1 with padding 1 (one group, no dilation, so Ho = H and
+// Wo = W) on an input whose channels are innermost (channels_last): each tap's window
+// covers every position but one border row and/or one border column, so its window sum of
+// x^2 is the total less the left-out row's and column's sums plus their corner's (tap row
+// 0 leaves out the bottom row, tap row 2 the top; tap column 0 the right column, 2 the
+// left).  Those nine per-channel sums of squares (the total, the top and bottom rows, the
+// left and right columns, the four corners, in that order) are rows reads (ChannelArgs
+// over the batch), all in one launch of the rows kernel: one pass over the input with the
+// rows kernel's bandwidth, and the border again (at 14 x 14 a quarter of the input, at
+// 56 x 56 7%), where phase 1 wrote a per-position map that phase 2 read back per tap.
+// The last of the nine to finish a channel tile writes the tile's 9 taps, (c, ki, kj)
+// order, from the sums in a fixed expression; the output gradient's read may take the
+// launch's last item.
+constexpr int kBorderSums = 9;
+constexpr int kBorderItems = kBorderSums + 1;
+
+struct BorderTaps {
+  RowsItem items[kBorderItems];     // the nine border sums (dst: BorderLaunch.sums), then g's
+  int starts[kBorderItems + 1];     // item k's blocks are [starts[k], starts[k + 1])
+  unsigned* tile_counters;          // a zeroed slot per channel tile: border sums done there
+  float* out;                       // 9 * C taps
+};
+
+// A border launch as the op planned it: the nine reads (border_args), their splits, and
+// its buffers: `sums` 9 * C floats, `partials` each split read's nsplit * C floats in item
+// order, `counters` each split read's tiles in item order and then one per tile for the
+// taps, all zeroed and disjoint from any other read of the launch.
+struct BorderLaunch {
+  ChannelArgs a[kBorderSums];
+  int nsplit[kBorderSums];
+  at::ScalarType dtype;
+  float* sums;
+  float* partials;
+  unsigned* counters;
+  float* out;
+};
+
+struct ChannelLaunch;
+
+// Whether a convolution's input statistics are its border sums' (the geometry above, an
+// input read 16 bytes a thread: C a multiple of 16 / element_size, aligned rows).
+bool border_taps_fit(const ConvInputArgs& a, int element_size);
+// The nine reads of an input where border_taps_fit.
+void border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]);
+// Whether the border launch can read g's rows in the same launch; the launch, with g's read
+// where g is not null (only where border_reads_with).
+bool border_reads_with(const BorderLaunch& l, const ChannelLaunch& g);
+cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cudaStream_t stream);
+
 // Phase 1 of a convolution's input statistics (batch_sumsq_block) as the first part of a
 // launch it shares with its output gradient's rows read: `blocks_x` blocks of kRowsBlock
 // threads along the M = C*H*W positions (16 bytes a thread), for each of `nsplit` batch

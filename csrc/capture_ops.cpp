@@ -102,6 +102,17 @@ std::array<int64_t, 4> rows_runs(const at::Tensor& t, int64_t dim) {
   return {-1, -1, -1, -1};
 }
 
+// The rows kernel's splits of a read of `a` (shape: channel_rows_shape's): as many blocks
+// as the SMs hold at once (two of kRowsBlock threads with kRowsUnroll 16-byte loads each
+// keep 64 KiB in flight an SM: what the memory needs, capture_launch.h has the
+// measurements), in whole waves (wave_fitted_splits), and no fewer than two groups of
+// kRowsUnroll passes a block.
+int64_t rows_splits(const ChannelArgs& a, const ChannelRowsShape& shape, at::ScalarType dtype) {
+  const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
+  const int64_t slots = static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(shape.read, dtype);
+  return wave_fitted_splits(shape.tiles, slots, std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
+}
+
 // Counter slots for two reductions of one launch, whose last blocks' counters are live
 // together: where both take slots (neither pointer null), disjoint ones from the current
 // stream's pool, `first` its first n_first and `second` the next n_second.  False where the
@@ -132,11 +143,26 @@ struct ConvPlan {
   int nsplit = 1;
   WindowChunks chunks{};
   bool fold = false;       // phase 2 folded into phase 1's launch (capture_launch.h, WindowFold)
+  bool border = false;     // from its border sums instead (capture_launch.h, BorderTaps): `reads`
+  BorderLaunch reads{};    // (its buffers given at the launch)
+  int64_t n_border = 0;    // the border launch's workspace floats
   int64_t n_slots = 0;     // the counter slots its launches take
   unsigned* counters = nullptr;
   bool zeros = false;
-  int64_t n_ws() const { return n_maps + n_cols; }
+  int64_t n_ws() const { return border ? n_border : n_maps + n_cols; }
 };
+
+// A border plan's launch on its workspace `ws` (the nine sums, then the split reads'
+// partials), counting in `counters`, with g's read where g is not null.
+cudaError_t launch_border(const ConvPlan& p, float* out, float* ws, unsigned* counters, const ChannelLaunch* g,
+                          cudaStream_t stream) {
+  BorderLaunch l = p.reads;
+  l.sums = ws;
+  l.partials = ws + kBorderSums * p.a.C;
+  l.counters = counters;
+  l.out = out;
+  return launch_border_taps(l, g, stream);
+}
 
 struct ChannelPlan {
   at::Tensor t;
@@ -217,6 +243,31 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
               "groups * Ho * Wo is too large");
 
+  // A 3 x 3 convolution at stride 1 with padding 1 on a channels_last input: its border
+  // sums, nine reads of the rows kernel in one launch, each split as the rows kernel splits
+  // a read of its size (rows_splits); where the stream's pool cannot give their counter
+  // slots (a stream being captured), the map and its window sums below.
+  if (border_taps_fit(a, static_cast<int>(p.x.element_size()))) {
+    BorderLaunch& l = p.reads;
+    border_args(a, static_cast<int>(p.x.element_size()), l.a);
+    l.dtype = p.x.scalar_type();
+    const ChannelRowsShape shape = channel_rows_shape(l.a[0], static_cast<int>(p.x.element_size()));
+    int64_t slots = shape.tiles, floats = kBorderSums * C;  // (the taps' counters, the nine sums)
+    for (int k = 0; k < kBorderSums; ++k) {
+      l.nsplit[k] = static_cast<int>(rows_splits(l.a[k], shape, l.dtype));
+      if (l.nsplit[k] > 1) {
+        slots += shape.tiles;
+        floats += l.nsplit[k] * C;
+      }
+    }
+    if ((p.counters = counter_slots(p.x, slots)) != nullptr) {
+      p.border = true;
+      p.n_slots = slots;
+      p.n_border = floats;
+      return p;
+    }
+  }
+
   // Grids of about two blocks per multiprocessor: the batch is split only where the
   // grid would otherwise be small (each split adds a partial map that phase 2 reads
   // once per tap, or once); phase 2's chunks are summed by their last block, in the same
@@ -273,6 +324,10 @@ cudaError_t launch_folded(const ConvPlan& p, float* out, float* ws, unsigned* co
 }
 
 void launch(const ConvPlan& p, float* out, float* ws, cudaStream_t stream) {
+  if (p.border) {
+    check_launch(launch_border(p, out, ws, p.counters, nullptr, stream), kConv);
+    return;
+  }
   if (p.fold) {
     check_launch(launch_folded(p, out, ws, p.counters, nullptr, stream), kConv);
     return;
@@ -339,17 +394,12 @@ ChannelPlan plan_channel(const at::Tensor& t_in, int64_t dim, bool square, doubl
   a.apply_post = divisor > 0 ? 1 : 0;
   a.post_mul = divisor > 0 ? 1.0f / static_cast<float>(divisor) : 1.0f;
 
-  // The rows kernel: as many blocks as the SMs hold at once (two of kRowsBlock threads
-  // with kRowsUnroll 16-byte loads each keep 64 KiB in flight an SM: what the memory
-  // needs, capture_launch.h has the measurements), in whole waves (wave_fitted_splits);
-  // the middle kernel keeps fewer loads in flight and sums only one partial per split.
+  // The rows kernel's splits (rows_splits); the middle kernel keeps fewer loads in flight
+  // and sums only one partial per split.
   const int64_t sms = static_cast<int64_t>(capture_sm_count());
   int64_t nsplit;
   if (p.rows) {
-    const ChannelRowsShape shape = channel_rows_shape(a, static_cast<int>(p.t.element_size()));
-    const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
-    const int64_t slots = sms * channel_rows_blocks_per_sm(shape.read, p.t.scalar_type());
-    nsplit = wave_fitted_splits(shape.tiles, slots, std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
+    nsplit = rows_splits(a, channel_rows_shape(a, static_cast<int>(p.t.element_size())), p.t.scalar_type());
   } else {
     nsplit = clamp64(ceil_div(8 * sms, O), 1, std::max<int64_t>(1, std::min(a.A, a.A * a.P / 4096)));
   }
@@ -529,6 +579,15 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   // With phase 2 folded in (pc.fold), the input's statistics and the gradient's read are
   // one launch where one kernel reads both: their counters are then live together, so
   // they take disjoint slots (as a linear layer's pair above; else one launch each, below).
+  // The border sums and the gradient's read in one launch likewise (disjoint slots).
+  if (conv && pc.border && !h_zeros && !pg.zeros) {
+    ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
+    unsigned* border_slots = pc.counters;
+    if (border_reads_with(pc.reads, lg) && disjoint_slots(pc.x, border_slots, pc.n_slots, lg.counters, pg.n_out)) {
+      check_launch(launch_border(pc, o, w, border_slots, &lg, stream), kLayer);
+      return {h, s};
+    }
+  }
   if (conv && pc.fold && !h_zeros && !pg.zeros) {
     ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
     unsigned* fold_slots = pc.counters;
@@ -538,7 +597,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
       return {h, s};
     }
   }
-  if (conv && !pc.fold && !h_zeros && !pg.zeros) {
+  if (conv && !pc.fold && !pc.border && !h_zeros && !pg.zeros) {
     const ChannelLaunch lg = channel_launch(pg, o + off_s, s_ws);
     if (conv_pairs_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, lg)) {
       check_launch(launch_conv_input_stats_with_gradient(pc.a, pc.x.scalar_type(), pc.nsplit, pc.chunks, w,

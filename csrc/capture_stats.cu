@@ -667,8 +667,9 @@ __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t s
 
 // One block of the rows kernel over one item (RowsItem): its block b is tile b % tiles
 // and split b / tiles (the order of a (tiles, splits) grid).  `smem` holds kBlock * V floats.
+// True where this block wrote its tile's sums to dst (the tile's one split, or its last).
 template <typename T, RowsRead kRead, int kBlock, int kUnroll>
-__device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, float* smem) {
+__device__ __forceinline__ bool channel_rows_block(const RowsItem& item, int b, float* smem) {
   constexpr int V = kRowsWidth<T, kRead>;
   const ChannelArgs& a = item.a;
   const T* __restrict__ t = static_cast<const T*>(a.t);
@@ -760,10 +761,10 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
   const bool mine = c < width && tile0 + c < a.O;
   if (nsplit == 1) {
     if (mine) dst[tile0 + c] = finish(a, s);
-    return;
+    return true;
   }
   if (mine) partials[static_cast<int64_t>(by) * a.O + tile0 + c] = s;
-  if (!finished_last(counters + bx, nsplit)) return;
+  if (!finished_last(counters + bx, nsplit)) return false;
   // The last block sums the splits: `groups` threads per column (or per four columns, read
   // as one float4 where the rows allow) take every groups-th split, then thread c adds the
   // groups in order (a fixed order: deterministic).  Its loads are what the launch waits
@@ -808,6 +809,7 @@ __device__ __forceinline__ void channel_rows_block(const RowsItem& item, int b, 
     for (int k = 0; k < groups; ++k) total += smem[k * width + c];
     dst[tile0 + c] = finish(a, total);
   }
+  return true;
 }
 
 // A launch reads one or two tensors (RowsPair): a layer's input and its output's gradient
@@ -849,6 +851,42 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
     sumsq_item_block<T, kRowsBlock>(job.sumsq, b);
   } else {
     channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(job.rows, b - job.sumsq_blocks, smem);
+  }
+}
+
+// A 3 x 3 convolution's input statistics from its border sums (capture_launch.h,
+// BorderTaps), with its output gradient's rows read in the same launch where job.items
+// holds one past the border sums'.  Each item's blocks are the rows kernel's; the block
+// that writes a tile's sums of a border item counts it on the tile's counter, and the last
+// of the nine to do so writes the tile's taps: each a fixed expression of the nine sums, so
+// the result does not depend on which block finishes last.
+template <typename T>
+__global__ void __launch_bounds__(kRowsBlock, 2) border_taps_kernel(const __grid_constant__ BorderTaps job) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  __shared__ float smem[kRowsBlock * V];
+  const int b = static_cast<int>(blockIdx.x);
+  int i = 0;
+  while (i + 1 < kBorderItems && b >= job.starts[i + 1]) ++i;
+  const RowsItem& item = job.items[i];
+  const int local = b - job.starts[i];
+  const bool wrote = channel_rows_block<T, RowsRead::kVector, kRowsBlock, kRowsUnroll>(item, local, smem);
+  if (i >= kBorderSums || !wrote) return;
+  const int bx = local % item.tiles;
+  if (!finished_last(job.tile_counters + bx, kBorderSums)) return;
+  const int64_t c = static_cast<int64_t>(bx) * item.lanes * V + threadIdx.x;
+  if (threadIdx.x >= item.lanes * V || c >= item.a.O) return;
+  float v[kBorderSums];
+#pragma unroll
+  for (int k = 0; k < kBorderSums; ++k) v[k] = __ldcg(job.items[k].dst + c);
+  // (kBorderSums' order: total, top row, bottom row, left column, right column, then the
+  // corners top-left, top-right, bottom-left, bottom-right)
+  const float rows_out[3] = {v[2], 0.f, v[1]};  // tap row ki leaves out the bottom row (0), the top (2)
+  const float cols_out[3] = {v[4], 0.f, v[3]};  // tap column kj the right column (0), the left (2)
+  const float corner[3][3] = {{v[8], 0.f, v[7]}, {0.f, 0.f, 0.f}, {v[6], 0.f, v[5]}};
+#pragma unroll
+  for (int ki = 0; ki < 3; ++ki) {
+#pragma unroll
+    for (int kj = 0; kj < 3; ++kj) job.out[c * 9 + ki * 3 + kj] = ((v[0] - rows_out[ki]) - cols_out[kj]) + corner[ki][kj];
   }
 }
 
@@ -1408,6 +1446,118 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
   const cudaError_t err = launch_channel_stats(x, stream);
   if (err != cudaSuccess) return err;
   return launch_channel_stats(y, stream);
+}
+
+bool border_taps_fit(const ConvInputArgs& a, int element_size) {
+  const int64_t V = 16 / element_size;
+  return a.map_hwc && a.groups == 1 && a.kh == 3 && a.kw == 3 && a.sh == 1 && a.sw == 1 && a.dh == 1 && a.dw == 1 &&
+         a.pt == 1 && a.pl == 1 && a.Ho == a.H && a.Wo == a.W && a.B > 0 && a.C > 0 && a.H > 0 && a.W > 0 &&
+         a.C % V == 0 && (a.B == 1 || a.batch_stride % V == 0) && is_aligned16(a.x);
+}
+
+void border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]) {
+  const char* x = static_cast<const char*>(a.x);
+  const int64_t C = a.C, row = a.W * a.C, sa = a.B == 1 ? a.H * row : a.batch_stride;
+  const int64_t down = (a.H - 1) * row, right = (a.W - 1) * C;  // (elements)
+  struct Read {
+    int64_t offset, P, sp;
+  };
+  const Read reads[kBorderSums] = {
+      {0, a.H * a.W, C},     // every position
+      {0, a.W, C},           // the top row
+      {down, a.W, C},        // the bottom row
+      {0, a.H, row},         // the left column
+      {right, a.H, row},     // the right column
+      {0, 1, C},             // top-left
+      {right, 1, C},         // top-right
+      {down, 1, C},          // bottom-left
+      {down + right, 1, C},  // bottom-right
+  };
+  for (int k = 0; k < kBorderSums; ++k) {
+    ChannelArgs& c = out[k];
+    c = ChannelArgs{};
+    c.t = x + reads[k].offset * element_size;
+    c.A = a.B;
+    c.sa = sa;
+    c.P = reads[k].P;
+    c.sp = reads[k].sp;
+    c.O = C;
+    c.so = 1;
+    c.square = 1;
+    c.apply_post = 0;
+    c.post_mul = 1.0f;
+  }
+}
+
+namespace {
+
+// The blocks of a border launch (with g's rows read where g is not null), or 0 where one
+// kernel does not read them all (a border read off the 16-byte grid or of another tiling,
+// g of another dtype or not the rows kernel's 16-byte read) or the grid is too large.  Its
+// check and its launch decide alike.
+int64_t border_blocks(const BorderLaunch& l, const ChannelLaunch* g) {
+  const int size = static_cast<int>(c10::elementSize(l.dtype));
+  const ChannelRowsShape first = channel_rows_shape(l.a[0], size);
+  int64_t blocks = 0;
+  for (int k = 0; k < kBorderSums; ++k) {
+    const ChannelRowsShape s = channel_rows_shape(l.a[k], size);
+    if (s.read != RowsRead::kVector || s.tiles != first.tiles || s.lanes != first.lanes || l.nsplit[k] < 1) return 0;
+    blocks += s.tiles * l.nsplit[k];
+  }
+  if (g != nullptr) {
+    if (g->dtype != l.dtype || !g->rows_kernel) return 0;
+    const ChannelRowsShape sg = channel_rows_shape(g->a, size);
+    if (sg.read != RowsRead::kVector) return 0;
+    blocks += sg.tiles * g->nsplit;
+  }
+  return fits_launch(blocks) ? blocks : 0;
+}
+
+}  // namespace
+
+bool border_reads_with(const BorderLaunch& l, const ChannelLaunch& g) { return border_blocks(l, &g) > 0; }
+
+cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cudaStream_t stream) {
+  const int64_t blocks = border_blocks(l, g);
+  if (blocks == 0) return cudaErrorInvalidValue;
+  const int size = static_cast<int>(c10::elementSize(l.dtype));
+  BorderTaps job{};
+  float* partials = l.partials;
+  unsigned* counters = l.counters;
+  int start = 0;
+  for (int k = 0; k < kBorderSums; ++k) {
+    const ChannelRowsShape s = channel_rows_shape(l.a[k], size);
+    RowsItem& it = job.items[k];
+    it.a = l.a[k];
+    it.lanes = s.lanes;
+    it.nsplit = l.nsplit[k];
+    it.tiles = static_cast<int>(s.tiles);
+    it.dst = l.sums + k * l.a[k].O;
+    if (it.nsplit > 1) {  // (the layout border_workspace counts)
+      it.partials = partials;
+      it.counters = counters;
+      partials += static_cast<int64_t>(it.nsplit) * l.a[k].O;
+      counters += s.tiles;
+    }
+    job.starts[k] = start;
+    start += it.tiles * it.nsplit;
+  }
+  job.tile_counters = counters;
+  job.out = l.out;
+  job.starts[kBorderSums] = start;
+  if (g != nullptr) {
+    const ChannelRowsShape sg = channel_rows_shape(g->a, size);
+    job.items[kBorderSums] = rows_item(*g, sg);
+    start += static_cast<int>(sg.tiles * g->nsplit);
+  } else {
+    job.items[kBorderSums].tiles = 1;  // (no blocks: never read)
+  }
+  job.starts[kBorderItems] = start;
+  return dispatch_float_dtype(l.dtype, [&](auto* tag) -> cudaError_t {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    border_taps_kernel<T><<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(job);
+    return cudaGetLastError();
+  });
 }
 
 namespace {

@@ -200,9 +200,11 @@ def test_conv_input_stats_channels_last_bf16_wide_map(ext, impl):
 @pytest.mark.parametrize(
     "B,C,H,W,conv",
     [
-        (1, 64, 7, 7, dict(kernel_size=3, padding=1)),  # one split, one part-filled block
-        (8, 8, 72, 72, dict(kernel_size=3, padding=1)),  # a position a thread (bf16), several groups of blocks
-        (96, 64, 7, 7, dict(kernel_size=3, padding=1)),  # several splits into one block
+        # (3 x 3 with padding (1, 0): at padding 1 and stride 1 the border sums take them,
+        # test_border_taps_match_the_torch_rule)
+        (1, 64, 7, 7, dict(kernel_size=3, padding=(1, 0))),  # one split, one part-filled block
+        (8, 8, 72, 72, dict(kernel_size=3, padding=(1, 0))),  # a position a thread (bf16), several groups of blocks
+        (96, 64, 7, 7, dict(kernel_size=3, padding=(1, 0))),  # several splits into one block
         (40, 16, 23, 19, dict(kernel_size=3, stride=2, padding=1)),  # many blocks, a part-filled last one
         (33, 128, 9, 9, dict(kernel_size=(1, 3), padding=(0, 2), dilation=(1, 2))),
         (17, 32, 12, 12, dict(kernel_size=2, stride=2)),  # no padding, taps that skip rows
@@ -228,6 +230,81 @@ def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, c
     again, _ = kernel_rule(impl, m, x, "in")
     close(h, torch_rule(impl, m, x, "in")[0], STAT_RTOL)
     assert torch.equal(h, again)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(
+    "B,C,H,W",
+    [
+        (4, 16, 12, 10),  # one split a read
+        (48, 64, 14, 14),  # the total's read split, the borders' too
+        (32, 256, 14, 14),  # a ResNet-50 layer3 shape
+        (8, 512, 7, 7),  # two channel tiles
+        (2, 96, 9, 11),  # a part-filled tile (fp32: 24 vectors of 32 lanes)
+        (1, 64, 7, 7),  # batch 1
+        (3, 8, 1, 5),  # one row: the top row is the bottom row
+        (3, 8, 6, 1),  # one column
+        (2, 16, 1, 1),  # one position: every tap but the middle one is empty
+        (16, 64, 56, 56),  # a ResNet-50 layer1 shape
+    ],
+)
+def test_border_taps_match_the_torch_rule(ext, impl, dtype, B, C, H, W):
+    """A 3 x 3 convolution at stride 1 with padding 1 on a channels_last input: its taps from
+    the nine border sums (capture_launch.h, BorderTaps) in one launch with its gradient's
+    read, against the float64 rule (with a bias: the rule's ones column after them), the
+    direct op the same, and a second call equal bit for bit (the counters back at zero, the
+    taps a fixed expression of the sums whichever block finishes last)."""
+    m = nn.Conv2d(C, 8, 3, padding=1).to(DEV)
+    x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
+    g = randn((B, 8, H, W), dtype=dtype, layout="channels_last")
+    want = torch_rule(impl, m, x, "in")[0]
+    h, _ = kernel_rule(impl, m, x, "in")
+    close(h, want, STAT_RTOL)
+    assert torch.equal(h, kernel_rule(impl, m, x, "in")[0])
+    fused = rule_for(m).fused_stats(m, x.shape, g.shape)
+    hf, sf = fused.run(ext, x, g, False)
+    close(hf, want, STAT_RTOL)
+    close(sf, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
+    again = fused.run(ext, x, g, False)
+    assert torch.equal(hf, again[0]) and torch.equal(sf, again[1])
+    kernels = device_kernels(lambda: fused.run(ext, x, g, False))
+    assert len(kernels) == 1 and "border_taps_kernel" in kernels[0], kernels
+
+
+@pytest.mark.parametrize("side", [False, True])
+def test_border_taps_of_a_batch_strided_input_and_on_the_side_stream(ext, impl, side):
+    """Every other sample of a channels_last batch (the batch's stride twice a sample's) and
+    the side stream: the border reads step by the batch's stride; the float64 rule."""
+    from lightning_cafin.capture import streams
+
+    m = nn.Conv2d(32, 8, 3, padding=1, bias=False).to(DEV)
+    x = randn((12, 32, 10, 10), torch.bfloat16, "channels_last")[::2]
+    g = randn((6, 8, 10, 10), torch.bfloat16, "channels_last")
+    fused = rule_for(m).fused_stats(m, x.shape, g.shape)
+    h, s = fused.run(ext, x, g, side)
+    if side:
+        streams.join()
+    close(h, torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+    close(s, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
+
+
+@pytest.mark.parametrize(
+    "C,dtype,conv",
+    [
+        (12, torch.bfloat16, dict(kernel_size=3, padding=1)),  # channels off the 16-byte grid
+        (16, torch.bfloat16, dict(kernel_size=3, padding=1, dilation=2)),  # another geometry
+        (16, torch.bfloat16, dict(kernel_size=3, padding=2)),
+        (16, torch.float32, dict(kernel_size=3, padding=1, stride=2)),
+    ],
+)
+def test_border_taps_only_where_they_fit(ext, impl, C, dtype, conv):
+    """Elsewhere the map and its window sums (or the fold), as before: the float64 rule, and
+    no border launch."""
+    m = nn.Conv2d(C, 8, bias=False, **conv).to(DEV)
+    x = randn((6, C, 9, 9), dtype=dtype, layout="channels_last")
+    close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
+    kernels = device_kernels(lambda: kernel_rule(impl, m, x, "in"))
+    assert kernels and not any("border_taps_kernel" in k for k in kernels), kernels
 
 
 def device_kernels(fn) -> list[str]:
@@ -260,8 +337,9 @@ def test_strided_pointwise_conv_reads_only_its_taps(ext, impl, dtype, B, C, H, W
     """A 1 x 1 convolution without padding at stride > 1 on a channels_last input whose tap
     rows tile the map (H = Ho * sh) reads only the positions under its tap, in one launch of
     the rows kernel with its gradient (a quarter of the input at stride 2, where phase 1 read
-    all of it): against the float64 rule, for the direct op, ``layer_stats`` and
-    ``input_stats``, a second call equal bit for bit, and no copy of the input made."""
+    all of it): against the float64 rule, for the direct op, ``layer_stats`` and the
+    forward's read (``input_stats``), a second call equal bit for bit, and no copy of the
+    input made."""
     m = nn.Conv2d(C, 8, 1, stride=stride, bias=False).to(DEV)
     x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
     g = randn(tuple(m(x.float()).shape), dtype=dtype, layout="channels_last")
@@ -274,7 +352,12 @@ def test_strided_pointwise_conv_reads_only_its_taps(ext, impl, dtype, B, C, H, W
     hf, sf = fused.run(ext, x, g, False)
     close(hf, want, STAT_RTOL)
     close(sf, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
-    close(ext.input_stats(x, list(fused.input_op), 0.0), want, STAT_RTOL)
+    sink = ext.TapSink()  # the forward's read (TapPlan.tap_read: input_stats), with the gradient's later
+    out = torch.ones(g.shape, dtype=g.dtype, device=DEV, requires_grad=True) * 1.0
+    fused.tap_plan(ext, sink).tap_read(x, out)
+    out.backward(g)
+    ((h_read, _, _, _),) = sink.take()
+    close(h_read, want, STAT_RTOL)
     kernels = device_kernels(lambda: fused.run(ext, x, g, False))
     assert len(kernels) == 1 and "channel_rows_kernel" in kernels[0], kernels
     if x.numel() * x.element_size() >= 1 << 20:  # (small inputs fit in blocks the allocator already has)
@@ -748,8 +831,10 @@ def test_layer_stats_results_are_vectors_of_their_own(ext, impl, name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["conv3x3_channels_last", "conv3x3_channels_last_wide", "conv3x3_wide"])
 def test_a_convolutions_statistics_take_one_launch_or_two(ext, name, dtype):
-    """channels_last, where phase 2 folds: its input's two phases and its gradient's
-    per-channel read in one launch (``sumsq_windows_and_rows_kernel``); otherwise phase 1
+    """channels_last 3 x 3 at stride 1 and padding 1: its border sums and its gradient's read
+    in one launch (``border_taps_kernel``); channels_last where phase 2 folds: its input's
+    two phases and its gradient's per-channel read in one launch
+    (``sumsq_windows_and_rows_kernel``); otherwise phase 1
     and the gradient's read share one launch (``sumsq_and_rows_kernel``, NCHW
     ``sumsq_and_middle_kernel``), then phase 2 (the window sums).  A launch is host time in a capture step's backward, and a
     latency-bound phase 2 of its own was device time; the sums are
@@ -766,11 +851,17 @@ def test_a_convolutions_statistics_take_one_launch_or_two(ext, name, dtype):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "lightning_cafin" in e.name]
-    # (the fold's rule, capture_stats.cu's window_fold_side: a block of 512 threads reading
-    # 16 bytes each, whose partial window sums are at most half its map values)
+    # (a 3 x 3 at stride 1 and padding 1 on channels_last channels of whole 16-byte vectors:
+    # the border sums, capture_launch.h's BorderTaps; else the fold's rule, capture_stats.cu's
+    # window_fold_side: a block of 512 threads reading 16 bytes each, whose partial window
+    # sums are at most half its map values)
     taps = module.kernel_size[0] * module.kernel_size[1]
+    border = (layout == "channels_last" and module.kernel_size == (3, 3) and module.stride == (1, 1)
+              and module.padding == (1, 1) and module.in_channels % (16 // x.element_size()) == 0)
     folds = layout == "channels_last" and 2 * module.in_channels * taps <= 512 * (16 // x.element_size())
-    if folds:
+    if border:
+        assert len(kernels) == 1 and "border_taps_kernel" in kernels[0], kernels
+    elif folds:
         assert len(kernels) == 1 and "sumsq_windows_and_rows_kernel" in kernels[0], kernels
     else:
         paired = "sumsq_and_rows_kernel" if layout == "channels_last" else "sumsq_and_middle_kernel"
