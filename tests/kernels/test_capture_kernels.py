@@ -244,7 +244,7 @@ def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, c
         (1, 64, 7, 7),  # batch 1
         (3, 8, 1, 5),  # one row: the top row is the bottom row
         (3, 8, 6, 1),  # one column
-        (2, 16, 1, 1),  # one position: every tap but the middle one is empty
+        (2, 16, 2, 2),  # every position on the border, each a corner
         (16, 64, 56, 56),  # a ResNet-50 layer1 shape
     ],
 )
@@ -359,7 +359,10 @@ def test_strided_pointwise_conv_reads_only_its_taps(ext, impl, dtype, B, C, H, W
     ((h_read, _, _, _),) = sink.take()
     close(h_read, want, STAT_RTOL)
     kernels = device_kernels(lambda: fused.run(ext, x, g, False))
-    assert len(kernels) == 1 and "channel_rows_kernel" in kernels[0], kernels
+    # (one launch for both reads where both are 16-byte reads on the grid; channels off it
+    # are read another way, each in a launch of its own)
+    on_grid = C % (16 // x.element_size()) == 0
+    assert len(kernels) == (1 if on_grid else 2) and all("channel_rows_kernel" in k for k in kernels), kernels
     if x.numel() * x.element_size() >= 1 << 20:  # (small inputs fit in blocks the allocator already has)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
