@@ -105,10 +105,14 @@ std::array<int64_t, 4> rows_runs(const at::Tensor& t, int64_t dim) {
 // The rows kernel's splits of a read of `a` (shape: channel_rows_shape's): as many blocks
 // as the SMs hold at once (two of kRowsBlock threads with kRowsUnroll 16-byte loads each
 // keep 64 KiB in flight an SM: what the memory needs, capture_launch.h has the
-// measurements), in whole waves (wave_fitted_splits), and no fewer than two groups of
-// kRowsUnroll passes a block.
+// measurements), in whole waves (wave_fitted_splits), and no fewer than kRowsGroupsPerSplit
+// groups of kRowsUnroll passes a block.  Most reads share a launch with another (a layer's
+// input and its output gradient, a convolution's border sums and its gradient), each planned
+// for the whole device: at two groups a block the small ones of ResNet-50's last two stages
+// made 1.4-1.7 waves together, and their last blocks summed up to 196 partials.
+constexpr int64_t kRowsGroupsPerSplit = 4;
 int64_t rows_splits(const ChannelArgs& a, const ChannelRowsShape& shape, at::ScalarType dtype) {
-  const int64_t rows_per_split = 2 * kRowsUnroll * (kRowsBlock / shape.lanes);
+  const int64_t rows_per_split = kRowsGroupsPerSplit * kRowsUnroll * (kRowsBlock / shape.lanes);
   const int64_t slots = static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(shape.read, dtype);
   return wave_fitted_splits(shape.tiles, slots, std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
 }
