@@ -16,9 +16,9 @@ after a float32 LayerNorm), whose statistics read the copy autograd saved, at th
 dtype (``capture_tap.h``, ``autocast_copy``), and for a 1 x 1 convolution without padding
 only the positions its one tap covers (at stride 2 a quarter of the input, which is what
 the extension reads of a channels_last input, ``pointwise_taps`` in ``capture_ops.cpp``);
-and the output gradient at the output's dtype.  A training batch norm or a layer norm on ``(B, T, ..., D)`` with a trained bias
-reads neither (its statistics come from the means it saved and its bias gradient,
-``capture/taps.py``); any other norm counts both.  Not
+and the output gradient at the output's dtype.  A training batch norm or a layer norm on
+``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means it
+saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
 counted: a 3 x 3 convolution's second read of its border (``BorderTaps``) or its window
 sums over its per-position maps, the factor update, launch latency: the floor is below any
 real figure.
