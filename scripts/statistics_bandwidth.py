@@ -1,7 +1,8 @@
 """How close the capture statistics come to the memory bandwidth, layer by layer, on the
 bench's workloads: each captured layer's one statistics call (what a tap runs when the
 layer's output gradient arrives) timed on that layer's real input and output gradient,
-beside torch's own full reduction of the same two tensors.
+beside torch's own full reduction of the same two tensors (of a strided 1 x 1 convolution's
+input, the positions under its tap: what its statistics need, and the floor counts).
 
     python scripts/statistics_bandwidth.py --workload resnet50
     python scripts/statistics_bandwidth.py --workload resnet50 --kernels 3   # and the 3 worst, kernel by kernel
@@ -53,7 +54,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_cafin.bench.floor import peak_bandwidth, reads_autocast_copy, reads_nothing
+from lightning_cafin.bench.floor import peak_bandwidth, reads_autocast_copy, reads_nothing, tap_positions_share
 from lightning_cafin.bench.timing import device_us_per_call, us_per_kernel
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
 from lightning_cafin.capture.rules.base import FusedStats
@@ -71,10 +72,15 @@ class LayerPair:
     what: str  # how the input is read: "window" (convolution window sums) or "rows" (per-channel)
     apart: Optional[Callable[[], object]] = None  # the same sums by the input's op and the gradient's (GPU only)
     stats: Optional[FusedStats] = None  # the layer's rule's plan of the call
+    x_read: Optional[Tensor] = None  # what of x the statistics need (tap_positions), where not all of it
+
+    @property
+    def read(self) -> Tensor:
+        return self.x if self.x_read is None else self.x_read
 
     @property
     def nbytes(self) -> int:
-        return self.x.numel() * self.x.element_size() + self.grad.numel() * self.grad.element_size()
+        return self.read.numel() * self.read.element_size() + self.grad.numel() * self.grad.element_size()
 
     def describe(self) -> str:
         layout = "cl" if self.x.dim() == 4 and self.x.is_contiguous(memory_format=torch.channels_last) \
@@ -98,7 +104,8 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
                 return
             # (a Linear on an autocast copy: its capture reads the copy, equal to this cast)
             x = inputs[0].detach()
-            entry = seen[name] = [x.to(output.dtype) if reads_autocast_copy(module, inputs[0], output) else x, None]
+            x = x.to(output.dtype) if reads_autocast_copy(module, inputs[0], output) else x
+            entry = seen[name] = [x, None, tap_positions(module, x, output)]
             output.register_hook(lambda g: entry.__setitem__(1, g.detach()))
         return hook
 
@@ -110,7 +117,7 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
         for h in handles:
             h.remove()
     pairs = []
-    for name, (inp, grad) in seen.items():
+    for name, (inp, grad, read) in seen.items():
         if grad is None:
             continue
         stats = captures[name].fused_stats(inp, grad)
@@ -118,8 +125,18 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
             continue
         pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
                                "window" if stats.input_op[0] == 1 else "rows",
-                               ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None, stats))
+                               ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None, stats, read))
     return pairs
+
+
+def tap_positions(module: torch.nn.Module, x: Tensor, output: Tensor) -> Optional[Tensor]:
+    """The positions of ``x`` a 1 x 1 convolution without padding at a stride reads (every
+    stride-th row and column, as many as its output has: the floor's count,
+    ``tap_positions_share``), or None where its statistics need all of ``x``."""
+    if tap_positions_share(module, x, output) == 1.0:
+        return None
+    stride = module.stride if isinstance(module.stride, tuple) else (module.stride,)
+    return x[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in stride)]
 
 
 def ops_apart(ext: ModuleType, stats: FusedStats, x: Tensor, grad: Tensor) -> Callable[[], tuple[Tensor, Tensor]]:
@@ -141,7 +158,7 @@ def ops_apart(ext: ModuleType, stats: FusedStats, x: Tensor, grad: Tensor) -> Ca
 
 
 def torch_read(pair: LayerPair) -> Callable[[], object]:
-    return lambda: (pair.x.sum(dtype=torch.float32), pair.grad.sum(dtype=torch.float32))
+    return lambda: (pair.read.sum(dtype=torch.float32), pair.grad.sum(dtype=torch.float32))
 
 
 def like(t: Tensor) -> Tensor:
