@@ -75,6 +75,8 @@ def test_a_strided_pointwise_convolution_counts_only_the_positions_under_its_tap
         xi = x[:, :, 0] if isinstance(conv, nn.Conv1d) else x
         assert tap_positions_share(conv, xi, conv(xi)) == pytest.approx(share), conv
     assert tap_positions_share(nn.Linear(6, 2), x, nn.Linear(6, 2)(x)) == 1.0
+    up = nn.ConvTranspose2d(4, 3, 1, stride=2)  # (a transposed convolution is not read by taps)
+    assert tap_positions_share(up, x, up(x)) == 1.0
     model = nn.Sequential(nn.Conv2d(4, 8, 1, stride=2), nn.Flatten(), nn.Linear(8 * 4 * 3, 2))
     wl = Workload("conv", "a strided 1 x 1 convolution", make_model=lambda: model,
                   make_batch=lambda dev: (torch.randn(2, 4, 8, 6, device=dev), torch.zeros(2, dtype=torch.long)),

@@ -66,7 +66,7 @@ def tap_positions_share(module: nn.Module, x: torch.Tensor, output: torch.Tensor
     """The share of ``x``'s positions a convolution's statistics need: for a 1 x 1 kernel of one
     group without padding, the positions under its one tap (its output positions over its input
     positions); 1 for any other layer, whose window sums cover the input."""
-    if not isinstance(module, nn.modules.conv._ConvNd) or module.transposed or module.groups != 1:
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or module.groups != 1:
         return 1.0
     nd = len(module.kernel_size)
     pads = () if isinstance(module.padding, str) else module.padding  # ("same" and "valid" pad a 1 x 1 kernel by 0)
