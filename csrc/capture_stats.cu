@@ -1533,7 +1533,7 @@ cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cu
     it.nsplit = l.nsplit[k];
     it.tiles = static_cast<int>(s.tiles);
     it.dst = l.sums + k * l.a[k].O;
-    if (it.nsplit > 1) {  // (the layout border_workspace counts)
+    if (it.nsplit > 1) {  // (the layout plan_conv sized the buffers for, capture_ops.cpp)
       it.partials = partials;
       it.counters = counters;
       partials += static_cast<int64_t>(it.nsplit) * l.a[k].O;
