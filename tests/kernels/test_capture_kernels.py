@@ -78,6 +78,20 @@ def randn(shape, dtype=torch.float32, layout="contiguous"):
     return torch.randn(shape, device=DEV, dtype=dtype)
 
 
+def device_kernels(fn) -> list[str]:
+    """The package's kernels that ``fn()`` launches, in order (after one call that makes the
+    stream's counter pool)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "lightning_cafin" in e.name]
+
+
 def torch_rule(impl, module, x, side):
     """The torch rule on x upcast to float64 (the exact value of the same inputs)."""
     impl("torch")
@@ -305,20 +319,6 @@ def test_border_taps_only_where_they_fit(ext, impl, C, dtype, conv):
     close(kernel_rule(impl, m, x, "in")[0], torch_rule(impl, m, x, "in")[0], STAT_RTOL)
     kernels = device_kernels(lambda: kernel_rule(impl, m, x, "in"))
     assert kernels and not any("border_taps_kernel" in k for k in kernels), kernels
-
-
-def device_kernels(fn) -> list[str]:
-    """The package's kernels that ``fn()`` launches, in order (after one call that makes the
-    stream's counter pool)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and "lightning_cafin" in e.name]
 
 
 @pytest.mark.parametrize("dtype", LOWP)
@@ -842,18 +842,10 @@ def test_a_convolutions_statistics_take_one_launch_or_two(ext, name, dtype):
     ``sumsq_and_middle_kernel``), then phase 2 (the window sums).  A launch is host time in a capture step's backward, and a
     latency-bound phase 2 of its own was device time; the sums are
     ``test_layer_stats_equals_the_two_partials``'."""
-    from torch.profiler import ProfilerActivity, profile
-
     make, shape, layout = FUSED_LAYERS[name]
     module, x, grad = layer_and_tensors(make, shape, dtype, dtype, layout)
     fused = rule_for(module).fused_stats(module, x.shape, grad.shape)
-    fused.run(ext, x, grad, False)  # (the counter pool made)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fused.run(ext, x, grad, False)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "lightning_cafin" in e.name]
+    kernels = device_kernels(lambda: fused.run(ext, x, grad, False))
     # (a 3 x 3 at stride 1 and padding 1 on channels_last channels of whole 16-byte vectors:
     # the border sums, capture_launch.h's BorderTaps; else the fold's rule, capture_stats.cu's
     # window_fold_side: a block of 512 threads reading 16 bytes each, whose partial window
