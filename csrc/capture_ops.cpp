@@ -147,7 +147,7 @@ struct ConvPlan {
   int nsplit = 1;
   WindowChunks chunks{};
   bool fold = false;       // phase 2 folded into phase 1's launch (capture_launch.h, WindowFold)
-  bool border = false;     // from its border sums instead (capture_launch.h, BorderTaps): `reads`
+  bool border = false;     // from its border or parity sums instead (capture_launch.h, BorderTaps): `reads`
   BorderLaunch reads{};    // (its buffers given at the launch)
   int64_t n_border = 0;    // the border launch's workspace floats
   int64_t n_slots = 0;     // the counter slots its launches take
@@ -156,13 +156,12 @@ struct ConvPlan {
   int64_t n_ws() const { return border ? n_border : n_maps + n_cols; }
 };
 
-// A border plan's launch on its workspace `ws` (the nine sums, then the split reads'
-// partials), counting in `counters`, with g's read where g is not null.
+// A border plan's launch on its workspace `ws` (border_layout's), counting in `counters`,
+// with g's read where g is not null.
 cudaError_t launch_border(const ConvPlan& p, float* out, float* ws, unsigned* counters, const ChannelLaunch* g,
                           cudaStream_t stream) {
   BorderLaunch l = p.reads;
-  l.sums = ws;
-  l.partials = ws + kBorderSums * p.a.C;
+  l.ws = ws;
   l.counters = counters;
   l.out = out;
   return launch_border_taps(l, g, stream);
@@ -247,27 +246,22 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
               "groups * Ho * Wo is too large");
 
-  // A 3 x 3 convolution at stride 1 with padding 1 on a channels_last input: its border
-  // sums, nine reads of the rows kernel in one launch, each split as the rows kernel splits
-  // a read of its size (rows_splits); where the stream's pool cannot give their counter
-  // slots (a stream being captured), the map and its window sums below.
+  // A 3 x 3 convolution with padding 1 at stride 1, or at stride 2 on an even map, on a
+  // channels_last input: its border or parity sums, nine reads of the rows kernel in one
+  // launch, each split as the rows kernel splits a read of its size (rows_splits); where the
+  // stream's pool cannot give their counter slots (a stream being captured), the map and its
+  // window sums below.
   if (border_taps_fit(a, static_cast<int>(p.x.element_size()))) {
     BorderLaunch& l = p.reads;
-    border_args(a, static_cast<int>(p.x.element_size()), l.a);
+    l.parity = border_args(a, static_cast<int>(p.x.element_size()), l.a);
     l.dtype = p.x.scalar_type();
     const ChannelRowsShape shape = channel_rows_shape(l.a[0], static_cast<int>(p.x.element_size()));
-    int64_t slots = shape.tiles, floats = kBorderSums * C;  // (the taps' counters, the nine sums)
-    for (int k = 0; k < kBorderSums; ++k) {
-      l.nsplit[k] = static_cast<int>(rows_splits(l.a[k], shape, l.dtype));
-      if (l.nsplit[k] > 1) {
-        slots += shape.tiles;
-        floats += l.nsplit[k] * C;
-      }
-    }
-    if ((p.counters = counter_slots(p.x, slots)) != nullptr) {
+    for (int k = 0; k < kBorderSums; ++k) l.nsplit[k] = static_cast<int>(rows_splits(l.a[k], shape, l.dtype));
+    const BorderLayout layout = border_layout(l, shape.tiles);
+    if ((p.counters = counter_slots(p.x, layout.slots)) != nullptr) {
       p.border = true;
-      p.n_slots = slots;
-      p.n_border = floats;
+      p.n_slots = layout.slots;
+      p.n_border = layout.floats;
       return p;
     }
   }
