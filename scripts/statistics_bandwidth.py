@@ -69,7 +69,7 @@ class LayerPair:
     x: Tensor
     grad: Tensor
     run: Callable[[], object]  # the package's statistics call on (x, grad)
-    what: str  # how the input is read: "window" (convolution window sums) or "rows" (per-channel)
+    what: str  # whose input statistics: "conv" (a convolution's: window, border, parity or tap sums) or "rows" (per-channel)
     apart: Optional[Callable[[], object]] = None  # the same sums by the input's op and the gradient's (GPU only)
     stats: Optional[FusedStats] = None  # the layer's rule's plan of the call
     x_read: Optional[Tensor] = None  # what of x the statistics need (tap_positions), where not all of it
@@ -124,7 +124,7 @@ def layer_pairs(wl: Workload, device: torch.device) -> list[LayerPair]:
         if stats is None:
             continue
         pairs.append(LayerPair(name, inp, grad, lambda s=stats, a=inp, b=grad: s.run(ext, a, b, False),
-                               "window" if stats.input_op[0] == 1 else "rows",
+                               "conv" if stats.input_op[0] == 1 else "rows",
                                ops_apart(ext, stats, inp, grad) if device.type == "cuda" else None, stats, read))
     return pairs
 
@@ -198,7 +198,7 @@ def report(wl: Workload, device: torch.device, reps: int, rounds: int, top: int,
     def gbs(nbytes: float, us: float) -> float:
         return nbytes / (us * 1e-6) / 1e9 if us > 0 else float("nan")
 
-    for what in ("window", "rows", "all"):
+    for what in ("conv", "rows", "all"):
         chosen = [r for r in rows if what == "all" or r[0].what == what]
         if not chosen:
             continue

@@ -28,7 +28,7 @@ def test_the_pairs_are_the_floors_layers_and_bytes_and_each_call_gives_finite_su
     counted = statistics_bytes(wl, CPU)
     assert len(pairs) == counted.layers
     assert sum(p.nbytes for p in pairs) == counted.inputs + counted.gradients
-    assert {p.what for p in pairs} == ({"window", "rows"} if name == "resnet50" else {"rows"})
+    assert {p.what for p in pairs} == ({"conv", "rows"} if name == "resnet50" else {"rows"})
     assert all(p.apart is None for p in pairs)  # (the separate ops take CUDA tensors only)
     for p in pairs[:5]:
         h, s = p.run()
@@ -55,12 +55,12 @@ def test_the_ops_apart_give_the_one_calls_sums_on_the_gpu(ext, name):  # noqa: F
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the breakdown of a call into kernels needs a CUDA GPU")
 def test_a_convolutions_breakdown_names_its_kernels_on_both_kinds_of_values(ext):  # noqa: F811
     """On a GPU, a channels_last bf16 convolution's one call names its input statistics'
-    kernel (a 3 x 3 at stride 1 and padding 1: its border sums; else phase 2 folded into
-    phase 1's launch, or a launch of its own where it does not fold), and its ops apart
-    name the gradient's rows kernel too."""
+    kernel (a 3 x 3 with padding 1 at stride 1, or 2 on an even map: its border or parity
+    sums; else phase 2 folded into phase 1's launch, or a launch of its own where it does
+    not fold), and its ops apart name the gradient's rows kernel too."""
     device = torch.device("cuda")
     pairs = load().layer_pairs(workloads(device, quick=True)["resnet18-bf16cl"], device)
-    conv = next(p for p in pairs if p.what == "window" and p.x.dtype == torch.bfloat16)
+    conv = next(p for p in pairs if p.what == "conv" and p.x.dtype == torch.bfloat16)
     lines = load().kernel_lines(conv, 2)
     assert lines[0].startswith(f"  {conv.name}: ") and len(lines) == 1 + 4
     assert [line.split()[0] for line in lines[1:]] == ["real", "real", "random", "random"]
@@ -78,7 +78,7 @@ def test_a_smoke_run_prints_totals_per_read_and_the_slowest_layers(ext, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("workload resnet18: ") and "21 layers whose statistics read their tensors; CPU" in lines[0]
     totals = {line.split(":")[0].strip(): line for line in lines[1:4]}
-    assert set(totals) == {"window", "rows", "all"} and "21 layers" in totals["all"]
+    assert set(totals) == {"conv", "rows", "all"} and "21 layers" in totals["all"]
     assert lines[4].startswith("the 3 layers where the package takes most")
     assert len(lines) == 6 + 3 and all(" layer" in line or ": (" in line for line in lines[6:])
 
