@@ -453,7 +453,7 @@ at::Tensor pointwise_taps(const at::Tensor& x_in, const std::vector<int64_t>& o)
   return rows_runs(v, 1)[0] >= 0 ? v : at::Tensor();
 }
 
-// An input_op's plan: a convolution's map and window sums (or its border sums: plan_conv),
+// An input_op's plan: a convolution's map and window sums (or border or parity sums: plan_conv),
 // or a per-channel read (a channel op's on x, or a convolution's on its pointwise taps, raw
 // sums as plan_conv's).  As plan_conv: the caller checked x and made the stream current.
 struct InputPlan {
