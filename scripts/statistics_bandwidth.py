@@ -135,8 +135,8 @@ def tap_positions(module: torch.nn.Module, x: Tensor, output: Tensor) -> Optiona
     ``tap_positions_share``), or None where its statistics need all of ``x``."""
     if tap_positions_share(module, x, output) == 1.0:
         return None
-    stride = module.stride if isinstance(module.stride, tuple) else (module.stride,)
-    return x[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in stride)]
+    # (a Conv1d/2d/3d keeps its stride as a tuple of one entry per spatial dim)
+    return x[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in module.stride)]
 
 
 def ops_apart(ext: ModuleType, stats: FusedStats, x: Tensor, grad: Tensor) -> Callable[[], tuple[Tensor, Tensor]]:
