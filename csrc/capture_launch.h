@@ -146,50 +146,73 @@ struct RowsPair {
   int first_blocks;
 };
 
-// A 3 x 3 convolution at stride 1 with padding 1 (one group, no dilation, so Ho = H and
-// Wo = W) on an input whose channels are innermost (channels_last): each tap's window
-// covers every position but one border row and/or one border column, so its window sum of
-// x^2 is the total less the left-out row's and column's sums plus their corner's (tap row
-// 0 leaves out the bottom row, tap row 2 the top; tap column 0 the right column, 2 the
-// left).  Those nine per-channel sums of squares (the total, the top and bottom rows, the
-// left and right columns, the four corners, in that order) are rows reads (ChannelArgs
-// over the batch), all in one launch of the rows kernel: one pass over the input with the
-// rows kernel's bandwidth, and the border again (at 14 x 14 a quarter of the input, at
-// 56 x 56 7%), where phase 1 wrote a per-position map that phase 2 read back per tap.
-// The last of the nine to finish a channel tile writes the tile's 9 taps, (c, ki, kj)
-// order, from the sums in a fixed expression; the output gradient's read may take the
-// launch's last item.
+// A 3 x 3 convolution with padding 1 (one group, no dilation) on an input whose channels
+// are innermost (channels_last) takes its nine taps' window sums of x^2 from nine
+// per-channel sums of squares, rows reads (ChannelArgs over the batch) in one launch of the
+// rows kernel: one pass over the input with the rows kernel's bandwidth and a second of a
+// border, where phase 1 wrote a per-position map that phase 2 read back per tap.
+//
+// At stride 1 (Ho = H, Wo = W: border sums) each tap's window covers every position but one
+// border row and/or one border column, so its sum is the total less the left-out row's and
+// column's sums plus their corner's (tap row 0 leaves out the bottom row, tap row 2 the top;
+// tap column 0 the right column, 2 the left).  The nine sums: the total, the top and bottom
+// rows, the left and right columns, the four corners, in that order.  The border read again
+// is at 14 x 14 a quarter of the input, at 56 x 56 7%.
+//
+// At stride 2 on an even H and W (Ho = H / 2, Wo = W / 2: parity sums) tap row 1 covers the
+// even rows, tap row 2 the odd rows, tap row 0 the odd rows but the last (its first row is
+// padding); columns likewise.  So a tap's sum is its row and column parity class's, less the
+// last row's and/or last column's part of it plus their corner.  The nine sums: the four
+// classes (even rows x even columns, even x odd, odd x even, odd x odd), the last row's even
+// and odd columns, the last column's even and odd rows, the last corner, in that order; the
+// classes read rows of the batch and map rows merged, so the batch must be dense.
+//
+// The last of the nine to finish a channel tile writes the tile's 9 taps, (c, ki, kj) order,
+// from the sums in a fixed expression; the output gradient's read may take the launch's last
+// item.
 constexpr int kBorderSums = 9;
 constexpr int kBorderItems = kBorderSums + 1;
 
 struct BorderTaps {
-  RowsItem items[kBorderItems];     // the nine border sums (dst: BorderLaunch.sums), then g's
+  RowsItem items[kBorderItems];     // the nine sums (dst: BorderLaunch.sums), then g's
   int starts[kBorderItems + 1];     // item k's blocks are [starts[k], starts[k + 1])
-  unsigned* tile_counters;          // a zeroed slot per channel tile: border sums done there
+  int parity;                       // the nine are parity sums (else border sums)
+  unsigned* tile_counters;          // a zeroed slot per channel tile: sums done there
   float* out;                       // 9 * C taps
 };
 
-// A border launch as the op planned it: the nine reads (border_args), their splits, and
-// its buffers: `sums` 9 * C floats, `partials` each split read's nsplit * C floats in item
-// order, `counters` each split read's tiles in item order and then one per tile for the
-// taps, all zeroed and disjoint from any other read of the launch.
+// A border launch as the op planned it: the nine reads (border_args), their splits, its
+// kind, and its buffers, laid out as border_layout says: `ws` the workspace (the nine sums,
+// then the partials), `counters` zeroed and disjoint from any other read of the launch.
 struct BorderLaunch {
   ChannelArgs a[kBorderSums];
   int nsplit[kBorderSums];
+  int parity;
   at::ScalarType dtype;
-  float* sums;
-  float* partials;
+  float* ws;
   unsigned* counters;
   float* out;
 };
 
+// Where a border launch's reads keep their partial sums and counters: each read split in
+// more than one (nsplit > 1) has nsplit * C floats of partials, in item order after the nine
+// sums' 9 * C, and a counter slot per channel tile, in item order; then one slot per tile for
+// the taps.  The op sizes its buffers from it and the launch hands them out from it.
+struct BorderLayout {
+  int64_t partials[kBorderSums];  // floats after the workspace's start (-1 where not split)
+  int64_t counters[kBorderSums];  // slots after the counters' start (-1 where not split)
+  int64_t tap_counters;           // the taps' first slot
+  int64_t floats, slots;          // the workspace's floats and the counter slots in all
+};
+BorderLayout border_layout(const BorderLaunch& l, int64_t tiles);
+
 struct ChannelLaunch;
 
-// Whether a convolution's input statistics are its border sums' (the geometry above, an
-// input read 16 bytes a thread: C a multiple of 16 / element_size, aligned rows).
+// Whether a convolution's input statistics are its border or parity sums' (the geometries
+// above, an input read 16 bytes a thread: C a multiple of 16 / element_size, aligned rows).
 bool border_taps_fit(const ConvInputArgs& a, int element_size);
-// The nine reads of an input where border_taps_fit.
-void border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]);
+// The nine reads of an input where border_taps_fit, and whether they are parity sums.
+int border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]);
 // Whether the border launch can read g's rows in the same launch; the launch, with g's read
 // where g is not null (only where border_reads_with).
 bool border_reads_with(const BorderLaunch& l, const ChannelLaunch& g);

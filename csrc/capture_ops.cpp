@@ -147,7 +147,7 @@ struct ConvPlan {
   int nsplit = 1;
   WindowChunks chunks{};
   bool fold = false;       // phase 2 folded into phase 1's launch (capture_launch.h, WindowFold)
-  bool border = false;     // from its border sums instead (capture_launch.h, BorderTaps): `reads`
+  bool border = false;     // from its border or parity sums instead (capture_launch.h, BorderTaps): `reads`
   BorderLaunch reads{};    // (its buffers given at the launch)
   int64_t n_border = 0;    // the border launch's workspace floats
   int64_t n_slots = 0;     // the counter slots its launches take
@@ -156,13 +156,12 @@ struct ConvPlan {
   int64_t n_ws() const { return border ? n_border : n_maps + n_cols; }
 };
 
-// A border plan's launch on its workspace `ws` (the nine sums, then the split reads'
-// partials), counting in `counters`, with g's read where g is not null.
+// A border plan's launch on its workspace `ws` (border_layout's), counting in `counters`,
+// with g's read where g is not null.
 cudaError_t launch_border(const ConvPlan& p, float* out, float* ws, unsigned* counters, const ChannelLaunch* g,
                           cudaStream_t stream) {
   BorderLaunch l = p.reads;
-  l.sums = ws;
-  l.partials = ws + kBorderSums * p.a.C;
+  l.ws = ws;
   l.counters = counters;
   l.out = out;
   return launch_border_taps(l, g, stream);
@@ -247,27 +246,22 @@ ConvPlan plan_conv(const at::Tensor& x_in, const std::vector<int64_t>& kernel, c
   TORCH_CHECK(static_cast<int64_t>(a.groups) * a.Ho * a.Wo <= std::numeric_limits<int32_t>::max(), kConv,
               "groups * Ho * Wo is too large");
 
-  // A 3 x 3 convolution at stride 1 with padding 1 on a channels_last input: its border
-  // sums, nine reads of the rows kernel in one launch, each split as the rows kernel splits
-  // a read of its size (rows_splits); where the stream's pool cannot give their counter
-  // slots (a stream being captured), the map and its window sums below.
+  // A 3 x 3 convolution with padding 1 at stride 1, or at stride 2 on an even map, on a
+  // channels_last input: its border or parity sums, nine reads of the rows kernel in one
+  // launch, each split as the rows kernel splits a read of its size (rows_splits); where the
+  // stream's pool cannot give their counter slots (a stream being captured), the map and its
+  // window sums below.
   if (border_taps_fit(a, static_cast<int>(p.x.element_size()))) {
     BorderLaunch& l = p.reads;
-    border_args(a, static_cast<int>(p.x.element_size()), l.a);
+    l.parity = border_args(a, static_cast<int>(p.x.element_size()), l.a);
     l.dtype = p.x.scalar_type();
     const ChannelRowsShape shape = channel_rows_shape(l.a[0], static_cast<int>(p.x.element_size()));
-    int64_t slots = shape.tiles, floats = kBorderSums * C;  // (the taps' counters, the nine sums)
-    for (int k = 0; k < kBorderSums; ++k) {
-      l.nsplit[k] = static_cast<int>(rows_splits(l.a[k], shape, l.dtype));
-      if (l.nsplit[k] > 1) {
-        slots += shape.tiles;
-        floats += l.nsplit[k] * C;
-      }
-    }
-    if ((p.counters = counter_slots(p.x, slots)) != nullptr) {
+    for (int k = 0; k < kBorderSums; ++k) l.nsplit[k] = static_cast<int>(rows_splits(l.a[k], shape, l.dtype));
+    const BorderLayout layout = border_layout(l, shape.tiles);
+    if ((p.counters = counter_slots(p.x, layout.slots)) != nullptr) {
       p.border = true;
-      p.n_slots = slots;
-      p.n_border = floats;
+      p.n_slots = layout.slots;
+      p.n_border = layout.floats;
       return p;
     }
   }
@@ -459,12 +453,34 @@ at::Tensor pointwise_taps(const at::Tensor& x_in, const std::vector<int64_t>& o)
   return rows_runs(v, 1)[0] >= 0 ? v : at::Tensor();
 }
 
-// The per-channel plan of an input_op that is not a convolution's map and window sums: a
-// channel op's on x, or a convolution's on its pointwise taps (raw sums, as plan_conv's).
-ChannelPlan channel_input_plan(const at::Tensor& x, const at::Tensor& taps, const std::vector<int64_t>& input_op,
-                               double input_div) {
-  if (taps.defined()) return plan_channel(taps, 1, true, 0.0);
-  return plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+// An input_op's plan: a convolution's map and window sums (or border or parity sums: plan_conv),
+// or a per-channel read (a channel op's on x, or a convolution's on its pointwise taps, raw
+// sums as plan_conv's).  As plan_conv: the caller checked x and made the stream current.
+struct InputPlan {
+  bool conv = false;  // `conv` holds the plan, else `channel`
+  ConvPlan conv_plan;
+  ChannelPlan channel;
+  int64_t n_out() const { return conv ? conv_plan.n_out : channel.n_out; }
+  int64_t n_ws() const { return conv ? conv_plan.n_ws() : channel.n_ws; }
+  bool zeros() const { return conv ? conv_plan.zeros : channel.zeros; }
+};
+
+InputPlan plan_input(const at::Tensor& x, const std::vector<int64_t>& input_op, double input_div, bool conv) {
+  InputPlan p;
+  const at::Tensor taps = conv ? pointwise_taps(x, input_op) : at::Tensor();
+  p.conv = conv && !taps.defined();
+  if (p.conv) {
+    p.conv_plan = plan_conv_op(x, input_op);
+  } else if (taps.defined()) {
+    p.channel = plan_channel(taps, 1, true, 0.0);
+  } else {
+    p.channel = plan_channel(x, input_op[1], input_op[2] != 0, input_div);
+  }
+  return p;
+}
+
+at::Tensor run_alone(const InputPlan& p, const at::Tensor& like) {
+  return p.conv ? run_alone(p.conv_plan, p.n_ws(), like) : run_alone(p.channel, p.n_ws(), like);
 }
 
 }  // namespace
@@ -486,14 +502,13 @@ at::Tensor conv_input_stats(const at::Tensor& x_in, std::vector<int64_t> kernel,
   scope.reads(x_in);
   if (x_in.dim() == 4 && kernel.size() == 2 && stride.size() == 2 && padding.size() == 2 && dilation.size() == 2 &&
       out_hw.size() == 2) {
-    const at::Tensor taps = pointwise_taps(x_in, {1, kernel[0], kernel[1], stride[0], stride[1], padding[0], padding[1],
-                                                  dilation[0], dilation[1], groups, out_hw[0], out_hw[1]});
-    if (taps.defined()) {
-      const ChannelPlan p = plan_channel(taps, 1, true, 0.0);
-      return run_alone(p, p.n_ws, x_in);
-    }
+    return run_alone(plan_input(x_in,
+                                {1, kernel[0], kernel[1], stride[0], stride[1], padding[0], padding[1], dilation[0],
+                                 dilation[1], groups, out_hw[0], out_hw[1]},
+                                0.0, true),
+                     x_in);
   }
-  const ConvPlan p = plan_conv(x_in, kernel, stride, padding, dilation, groups, out_hw);
+  const ConvPlan p = plan_conv(x_in, kernel, stride, padding, dilation, groups, out_hw);  // (its checks raise)
   return run_alone(p, p.n_ws(), x_in);
 }
 
@@ -514,13 +529,7 @@ at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op
   check_input(x, kInput, "x");
   const bool conv = is_conv_op(input_op, kInput);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor taps = conv ? pointwise_taps(x, input_op) : at::Tensor();
-  if (conv && !taps.defined()) {
-    const ConvPlan p = plan_conv_op(x, input_op);
-    return run_alone(p, p.n_ws(), x);
-  }
-  const ChannelPlan p = channel_input_plan(x, taps, input_op, input_div);
-  return run_alone(p, p.n_ws, x);
+  return run_alone(plan_input(x, input_op, input_div, conv), x);
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
@@ -532,8 +541,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   check_input(x, kLayer, "x");
   check_input(grad, kLayer, "grad");
   TORCH_CHECK(x.device() == grad.device(), kLayer, "x and grad must be on one device");
-  const at::Tensor taps = is_conv_op(input_op, kLayer) ? pointwise_taps(x, input_op) : at::Tensor();
-  const bool conv = is_conv_op(input_op, kLayer) && !taps.defined();
+  const bool conv_op = is_conv_op(input_op, kLayer);
   const c10::NoGradGuard no_grad;  // a backward building a graph (create_graph) records nothing here
   const c10::cuda::CUDAGuard guard(x.device());
   // one ordering for both ops, one slice of the stream's results block for both results
@@ -542,21 +550,18 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   const SideScope scope(x, side);
   scope.reads(x);
   scope.reads(grad);
-  ConvPlan pc;
-  ChannelPlan px;
-  if (conv) {
-    pc = plan_conv_op(x, input_op);
-  } else {
-    px = channel_input_plan(x, taps, input_op, input_div);
-  }
+  InputPlan ip = plan_input(x, input_op, input_div, conv_op);
+  const bool conv = ip.conv;
+  ConvPlan& pc = ip.conv_plan;
+  ChannelPlan& px = ip.channel;
   const ChannelPlan pg = plan_channel(grad, grad_dim, grad_square, grad_div);
   // Both plans take counter slots from the stream's one pool, which planning the second
   // may have grown into a new tensor (it held too few slots): the first takes its slots
   // again, from the pool as it now is (big enough for both, so nothing grows).
   if (conv && pc.counters != nullptr) pc.counters = counter_slots(pc.x, pc.n_slots);
   if (!conv && px.counters != nullptr) px.counters = counter_slots(px.t, px.n_out);
-  const int64_t nh = conv ? pc.n_out : px.n_out, wh = conv ? pc.n_ws() : px.n_ws;
-  const bool h_zeros = conv ? pc.zeros : px.zeros;
+  const int64_t nh = ip.n_out(), wh = ip.n_ws();
+  const bool h_zeros = ip.zeros();
   const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;
   at::Tensor out = result_floats(off_s + pg.n_out, x);  // [h | s]
   at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, x) : at::Tensor();  // [h's workspace | s's]

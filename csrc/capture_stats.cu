@@ -854,9 +854,9 @@ __global__ void __launch_bounds__(kRowsBlock) sumsq_and_rows_kernel(const __grid
   }
 }
 
-// A 3 x 3 convolution's input statistics from its border sums (capture_launch.h,
+// A 3 x 3 convolution's input statistics from its border or parity sums (capture_launch.h,
 // BorderTaps), with its output gradient's rows read in the same launch where job.items
-// holds one past the border sums'.  Each item's blocks are the rows kernel's; the block
+// holds one past the nine sums'.  Each item's blocks are the rows kernel's; the block
 // that writes a tile's sums of a border item counts it on the tile's counter, and the last
 // of the nine to do so writes the tile's taps: each a fixed expression of the nine sums, so
 // the result does not depend on which block finishes last.
@@ -878,15 +878,52 @@ __global__ void __launch_bounds__(kRowsBlock, 2) border_taps_kernel(const __grid
   float v[kBorderSums];
 #pragma unroll
   for (int k = 0; k < kBorderSums; ++k) v[k] = __ldcg(job.items[k].dst + c);
-  // (kBorderSums' order: total, top row, bottom row, left column, right column, then the
-  // corners top-left, top-right, bottom-left, bottom-right)
-  const float rows_out[3] = {v[2], 0.f, v[1]};  // tap row ki leaves out the bottom row (0), the top (2)
-  const float cols_out[3] = {v[4], 0.f, v[3]};  // tap column kj the right column (0), the left (2)
-  const float corner[3][3] = {{v[8], 0.f, v[7]}, {0.f, 0.f, 0.f}, {v[6], 0.f, v[5]}};
+  // Tap (ki, kj) = ((its class's sum - the left-out row's) - the left-out column's) + their
+  // corner (a term that is not left out is 0, and adds or takes nothing).  Where nearly all
+  // of a channel's x^2 lies in what is left out, the difference can round below the true
+  // sum, which is >= 0: below 0 it is written as 0 (a NaN or an inf stays as it is, for the
+  // factor update's check).
+  float base[3][3], rows_out[3][3], cols_out[3][3], corner[3][3];
+  if (!job.parity) {
+    // (kBorderSums' order: total, top row, bottom row, left column, right column, then the
+    // corners top-left, top-right, bottom-left, bottom-right; tap row ki leaves out the bottom
+    // row (0), the top (2), tap column kj the right column (0), the left (2))
+    const float row_left_out[3] = {v[2], 0.f, v[1]}, col_left_out[3] = {v[4], 0.f, v[3]};
+    const float corners[3][3] = {{v[8], 0.f, v[7]}, {0.f, 0.f, 0.f}, {v[6], 0.f, v[5]}};
+#pragma unroll
+    for (int ki = 0; ki < 3; ++ki) {
+#pragma unroll
+      for (int kj = 0; kj < 3; ++kj) {
+        base[ki][kj] = v[0];
+        rows_out[ki][kj] = row_left_out[ki];
+        cols_out[ki][kj] = col_left_out[kj];
+        corner[ki][kj] = corners[ki][kj];
+      }
+    }
+  } else {
+    // (the order: classes even x even, even x odd, odd x even, odd x odd, the last row's even
+    // and odd columns, the last column's even and odd rows, the last corner; tap row 1 the
+    // even rows, 2 the odd, 0 the odd but the last; columns likewise)
+#pragma unroll
+    for (int ki = 0; ki < 3; ++ki) {
+#pragma unroll
+      for (int kj = 0; kj < 3; ++kj) {
+        const int odd_row = ki != 1, odd_col = kj != 1;
+        base[ki][kj] = v[2 * odd_row + odd_col];
+        rows_out[ki][kj] = ki == 0 ? v[4 + odd_col] : 0.f;
+        cols_out[ki][kj] = kj == 0 ? v[6 + odd_row] : 0.f;
+        corner[ki][kj] = ki == 0 && kj == 0 ? v[8] : 0.f;
+      }
+    }
+  }
 #pragma unroll
   for (int ki = 0; ki < 3; ++ki) {
 #pragma unroll
-    for (int kj = 0; kj < 3; ++kj) job.out[c * 9 + ki * 3 + kj] = ((v[0] - rows_out[ki]) - cols_out[kj]) + corner[ki][kj];
+    for (int kj = 0; kj < 3; ++kj)
+    {
+      const float t = ((base[ki][kj] - rows_out[ki][kj]) - cols_out[ki][kj]) + corner[ki][kj];
+      job.out[c * 9 + ki * 3 + kj] = t < 0.f ? 0.f : t;
+    }
   }
 }
 
@@ -1450,43 +1487,79 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
 
 bool border_taps_fit(const ConvInputArgs& a, int element_size) {
   const int64_t V = 16 / element_size;
-  return a.map_hwc && a.groups == 1 && a.kh == 3 && a.kw == 3 && a.sh == 1 && a.sw == 1 && a.dh == 1 && a.dw == 1 &&
-         a.pt == 1 && a.pl == 1 && a.Ho == a.H && a.Wo == a.W && a.B > 0 && a.C > 0 && a.H > 0 && a.W > 0 &&
-         a.C % V == 0 && (a.B == 1 || a.batch_stride % V == 0) && is_aligned16(a.x);
+  if (!(a.map_hwc && a.groups == 1 && a.kh == 3 && a.kw == 3 && a.dh == 1 && a.dw == 1 && a.pt == 1 && a.pl == 1 &&
+        a.B > 0 && a.C > 0 && a.H > 0 && a.W > 0 && a.C % V == 0 && is_aligned16(a.x)))
+    return false;
+  if (a.sh == 1 && a.sw == 1) return a.Ho == a.H && a.Wo == a.W && (a.B == 1 || a.batch_stride % V == 0);
+  // (parity sums: the classes' rows merge the batch with the map's rows)
+  return a.sh == 2 && a.sw == 2 && a.H % 2 == 0 && a.W % 2 == 0 && a.Ho == a.H / 2 && a.Wo == a.W / 2 &&
+         (a.B == 1 || a.batch_stride == a.H * a.W * a.C);
 }
 
-void border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]) {
+int border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]) {
   const char* x = static_cast<const char*>(a.x);
-  const int64_t C = a.C, row = a.W * a.C, sa = a.B == 1 ? a.H * row : a.batch_stride;
+  const int64_t C = a.C, row = a.W * a.C, batch = a.B == 1 ? a.H * row : a.batch_stride;
   const int64_t down = (a.H - 1) * row, right = (a.W - 1) * C;  // (elements)
   struct Read {
-    int64_t offset, P, sp;
+    int64_t offset, A, sa, P, sp;
   };
-  const Read reads[kBorderSums] = {
-      {0, a.H * a.W, C},     // every position
-      {0, a.W, C},           // the top row
-      {down, a.W, C},        // the bottom row
-      {0, a.H, row},         // the left column
-      {right, a.H, row},     // the right column
-      {0, 1, C},             // top-left
-      {right, 1, C},         // top-right
-      {down, 1, C},          // bottom-left
-      {down + right, 1, C},  // bottom-right
+  const int parity = a.sh == 2 ? 1 : 0;
+  const int64_t B = a.B, H2 = a.H / 2, W2 = a.W / 2;
+  const Read border[kBorderSums] = {
+      {0, B, batch, a.H * a.W, C},     // every position
+      {0, B, batch, a.W, C},           // the top row
+      {down, B, batch, a.W, C},        // the bottom row
+      {0, B, batch, a.H, row},         // the left column
+      {right, B, batch, a.H, row},     // the right column
+      {0, B, batch, 1, C},             // top-left
+      {right, B, batch, 1, C},         // top-right
+      {down, B, batch, 1, C},          // bottom-left
+      {down + right, B, batch, 1, C},  // bottom-right
+  };
+  const Read classes[kBorderSums] = {
+      {0, B * H2, 2 * row, W2, 2 * C},          // even rows x even columns
+      {C, B * H2, 2 * row, W2, 2 * C},          // even x odd
+      {row, B * H2, 2 * row, W2, 2 * C},        // odd x even
+      {row + C, B * H2, 2 * row, W2, 2 * C},    // odd x odd
+      {down, B, batch, W2, 2 * C},              // the last row's even columns
+      {down + C, B, batch, W2, 2 * C},          // its odd columns
+      {right, B * H2, 2 * row, 1, C},           // the last column's even rows
+      {row + right, B * H2, 2 * row, 1, C},     // its odd rows
+      {down + right, B, batch, 1, C},           // the last corner
   };
   for (int k = 0; k < kBorderSums; ++k) {
+    const Read& r = parity ? classes[k] : border[k];
     ChannelArgs& c = out[k];
     c = ChannelArgs{};
-    c.t = x + reads[k].offset * element_size;
-    c.A = a.B;
-    c.sa = sa;
-    c.P = reads[k].P;
-    c.sp = reads[k].sp;
+    c.t = x + r.offset * element_size;
+    c.A = r.A;
+    c.sa = r.sa;
+    c.P = r.P;
+    c.sp = r.sp;
     c.O = C;
     c.so = 1;
     c.square = 1;
     c.apply_post = 0;
     c.post_mul = 1.0f;
   }
+  return parity;
+}
+
+BorderLayout border_layout(const BorderLaunch& l, int64_t tiles) {
+  BorderLayout out{};
+  out.floats = kBorderSums * l.a[0].O;
+  for (int k = 0; k < kBorderSums; ++k) {
+    out.partials[k] = out.counters[k] = -1;
+    if (l.nsplit[k] > 1) {
+      out.partials[k] = out.floats;
+      out.counters[k] = out.slots;
+      out.floats += static_cast<int64_t>(l.nsplit[k]) * l.a[k].O;
+      out.slots += tiles;
+    }
+  }
+  out.tap_counters = out.slots;
+  out.slots += tiles;
+  return out;
 }
 
 namespace {
@@ -1522,8 +1595,7 @@ cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cu
   if (blocks == 0) return cudaErrorInvalidValue;
   const int size = static_cast<int>(c10::elementSize(l.dtype));
   BorderTaps job{};
-  float* partials = l.partials;
-  unsigned* counters = l.counters;
+  const BorderLayout layout = border_layout(l, channel_rows_shape(l.a[0], size).tiles);
   int start = 0;
   for (int k = 0; k < kBorderSums; ++k) {
     const ChannelRowsShape s = channel_rows_shape(l.a[k], size);
@@ -1532,17 +1604,16 @@ cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cu
     it.lanes = s.lanes;
     it.nsplit = l.nsplit[k];
     it.tiles = static_cast<int>(s.tiles);
-    it.dst = l.sums + k * l.a[k].O;
-    if (it.nsplit > 1) {  // (the layout plan_conv sized the buffers for, capture_ops.cpp)
-      it.partials = partials;
-      it.counters = counters;
-      partials += static_cast<int64_t>(it.nsplit) * l.a[k].O;
-      counters += s.tiles;
+    it.dst = l.ws + k * l.a[k].O;
+    if (it.nsplit > 1) {
+      it.partials = l.ws + layout.partials[k];
+      it.counters = l.counters + layout.counters[k];
     }
     job.starts[k] = start;
     start += it.tiles * it.nsplit;
   }
-  job.tile_counters = counters;
+  job.parity = l.parity;
+  job.tile_counters = l.counters + layout.tap_counters;
   job.out = l.out;
   job.starts[kBorderSums] = start;
   if (g != nullptr) {

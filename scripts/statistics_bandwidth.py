@@ -69,7 +69,7 @@ class LayerPair:
     x: Tensor
     grad: Tensor
     run: Callable[[], object]  # the package's statistics call on (x, grad)
-    what: str  # whose input statistics: "conv" (a convolution's: window, border or tap sums) or "rows" (per-channel)
+    what: str  # whose input statistics: "conv" (a convolution's: window, border, parity or tap sums) or "rows" (per-channel)
     apart: Optional[Callable[[], object]] = None  # the same sums by the input's op and the gradient's (GPU only)
     stats: Optional[FusedStats] = None  # the layer's rule's plan of the call
     x_read: Optional[Tensor] = None  # what of x the statistics need (tap_positions), where not all of it

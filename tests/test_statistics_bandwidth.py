@@ -55,9 +55,9 @@ def test_the_ops_apart_give_the_one_calls_sums_on_the_gpu(ext, name):  # noqa: F
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the breakdown of a call into kernels needs a CUDA GPU")
 def test_a_convolutions_breakdown_names_its_kernels_on_both_kinds_of_values(ext):  # noqa: F811
     """On a GPU, a channels_last bf16 convolution's one call names its input statistics'
-    kernel (a 3 x 3 at stride 1 and padding 1: its border sums; else phase 2 folded into
-    phase 1's launch, or a launch of its own where it does not fold), and its ops apart
-    name the gradient's rows kernel too."""
+    kernel (a 3 x 3 with padding 1 at stride 1, or 2 on an even map: its border or parity
+    sums; else phase 2 folded into phase 1's launch, or a launch of its own where it does
+    not fold), and its ops apart name the gradient's rows kernel too."""
     device = torch.device("cuda")
     pairs = load().layer_pairs(workloads(device, quick=True)["resnet18-bf16cl"], device)
     conv = next(p for p in pairs if p.what == "conv" and p.x.dtype == torch.bfloat16)

@@ -19,8 +19,8 @@ the extension reads of a channels_last input, ``pointwise_taps`` in ``capture_op
 and the output gradient at the output's dtype.  A training batch norm or a layer norm on
 ``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means it
 saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
-counted: a 3 x 3 convolution's second read of its border (``BorderTaps``) or its window
-sums over its per-position maps, the factor update, launch latency: the floor is below any
+counted: a 3 x 3 convolution's second read of its border or last row and column
+(``BorderTaps``) or its window sums over its per-position maps, the factor update, launch latency: the floor is below any
 real figure.
 """
 

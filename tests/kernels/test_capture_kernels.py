@@ -246,6 +246,26 @@ def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, c
     assert torch.equal(h, again)
 
 
+def assert_one_border_launch(ext, impl, m, x, g):
+    """A 3 x 3 layer's taps from its nine border or parity sums (capture_launch.h, BorderTaps)
+    against the float64 rule (with a bias: the rule's ones column after them), the direct op
+    and the op with its gradient's read in one launch the same, and a second call equal bit
+    for bit (the counters back at zero, the taps a fixed expression of the sums whichever
+    block finishes last)."""
+    want = torch_rule(impl, m, x, "in")[0]
+    h, _ = kernel_rule(impl, m, x, "in")
+    close(h, want, STAT_RTOL)
+    assert torch.equal(h, kernel_rule(impl, m, x, "in")[0])
+    fused = rule_for(m).fused_stats(m, x.shape, g.shape)
+    hf, sf = fused.run(ext, x, g, False)
+    close(hf, want, STAT_RTOL)
+    close(sf, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
+    again = fused.run(ext, x, g, False)
+    assert torch.equal(hf, again[0]) and torch.equal(sf, again[1])
+    kernels = device_kernels(lambda: fused.run(ext, x, g, False))
+    assert len(kernels) == 1 and "border_taps_kernel" in kernels[0], kernels
+
+
 @pytest.mark.parametrize("dtype", LOWP)
 @pytest.mark.parametrize(
     "B,C,H,W",
@@ -264,42 +284,82 @@ def test_folded_window_sums_match_the_torch_rule(ext, impl, dtype, B, C, H, W, c
 )
 def test_border_taps_match_the_torch_rule(ext, impl, dtype, B, C, H, W):
     """A 3 x 3 convolution at stride 1 with padding 1 on a channels_last input: its taps from
-    the nine border sums (capture_launch.h, BorderTaps) in one launch with its gradient's
-    read, against the float64 rule (with a bias: the rule's ones column after them), the
-    direct op the same, and a second call equal bit for bit (the counters back at zero, the
-    taps a fixed expression of the sums whichever block finishes last)."""
+    the nine border sums in one launch with its gradient's read (assert_one_border_launch)."""
     m = nn.Conv2d(C, 8, 3, padding=1).to(DEV)
     x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
     g = randn((B, 8, H, W), dtype=dtype, layout="channels_last")
-    want = torch_rule(impl, m, x, "in")[0]
+    assert_one_border_launch(ext, impl, m, x, g)
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize(
+    "B,C,H,W",
+    [
+        (4, 16, 12, 10),  # one split a read
+        (64, 128, 28, 28),  # the classes' reads split, the last row's and column's too
+        (32, 256, 14, 14),  # a ResNet-50 layer3 shape (layer3.0.conv2's input, 28 x 28 at 128)
+        (8, 512, 14, 14),  # two channel tiles
+        (2, 96, 10, 12),  # a part-filled tile (fp32: 24 vectors of 32 lanes)
+        (1, 64, 8, 8),  # batch 1: the classes' rows are the map's alone
+        (3, 8, 2, 6),  # two rows: the odd row is the last
+        (3, 8, 6, 2),  # two columns
+        (2, 16, 2, 2),  # one position a class
+        (16, 128, 56, 56),  # a ResNet-50 layer2.0.conv2 shape
+    ],
+)
+def test_parity_taps_match_the_torch_rule(ext, impl, dtype, B, C, H, W):
+    """A 3 x 3 convolution at stride 2 with padding 1 on a channels_last input of even H and
+    W: its taps from the nine parity sums (the four row and column parity classes, the last
+    row's and the last column's two, the last corner) in one launch with its gradient's read
+    (assert_one_border_launch)."""
+    m = nn.Conv2d(C, 8, 3, stride=2, padding=1).to(DEV)
+    x = randn((B, C, H, W), dtype=dtype, layout="channels_last")
+    g = randn((B, 8, H // 2, W // 2), dtype=dtype, layout="channels_last")
+    assert_one_border_launch(ext, impl, m, x, g)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_taps_of_what_the_sums_leave_out_are_not_negative(ext, impl, stride):
+    """A map whose x^2 lies only in the last row and the last column, large against the rest:
+    the taps that leave both out are exactly 0 by the rule, and their computed difference of
+    sums could round below it; they are written as 0 or more, within the rule's tolerance.
+    A NaN in the map still reaches every tap it is under (the factor update's check)."""
+    m = nn.Conv2d(256, 8, 3, stride=stride, padding=1, bias=False).to(DEV)
+    x = torch.zeros(8, 256, 12, 12, device=DEV)
+    x[:, :, -1, :] = 1e3 * torch.rand(8, 256, 12, device=DEV)
+    x[:, :, :, -1] = 1e3 * torch.rand(8, 256, 12, device=DEV)
+    x = x.contiguous(memory_format=torch.channels_last)
     h, _ = kernel_rule(impl, m, x, "in")
+    want = torch_rule(impl, m, x, "in")[0]
     close(h, want, STAT_RTOL)
-    assert torch.equal(h, kernel_rule(impl, m, x, "in")[0])
-    fused = rule_for(m).fused_stats(m, x.shape, g.shape)
-    hf, sf = fused.run(ext, x, g, False)
-    close(hf, want, STAT_RTOL)
-    close(sf, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
-    again = fused.run(ext, x, g, False)
-    assert torch.equal(hf, again[0]) and torch.equal(sf, again[1])
-    kernels = device_kernels(lambda: fused.run(ext, x, g, False))
-    assert len(kernels) == 1 and "border_taps_kernel" in kernels[0], kernels
+    assert (want.view(256, 3, 3)[:, 0, 0] == 0).all()
+    assert (h >= 0).all(), h.min()
+    x[0, 5, 3, 4] = float("nan")
+    h, _ = kernel_rule(impl, m, x, "in")
+    taps = h.view(256, 3, 3)
+    assert taps[5].isnan().any() and not taps[4].isnan().any()
 
 
+@pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("side", [False, True])
-def test_border_taps_of_a_batch_strided_input_and_on_the_side_stream(ext, impl, side):
+def test_border_taps_of_a_batch_strided_input_and_on_the_side_stream(ext, impl, side, stride):
     """Every other sample of a channels_last batch (the batch's stride twice a sample's) and
-    the side stream: the border reads step by the batch's stride; the float64 rule."""
+    the side stream: the border reads step by the batch's stride; the parity classes, whose
+    rows merge the batch with the map's rows, leave such a batch to the map (no border
+    launch); the float64 rule either way."""
     from lightning_cafin.capture import streams
 
-    m = nn.Conv2d(32, 8, 3, padding=1, bias=False).to(DEV)
+    m = nn.Conv2d(32, 8, 3, stride=stride, padding=1, bias=False).to(DEV)
     x = randn((12, 32, 10, 10), torch.bfloat16, "channels_last")[::2]
-    g = randn((6, 8, 10, 10), torch.bfloat16, "channels_last")
+    g = randn((6, 8, 10 // stride, 10 // stride), torch.bfloat16, "channels_last")
     fused = rule_for(m).fused_stats(m, x.shape, g.shape)
     h, s = fused.run(ext, x, g, side)
     if side:
         streams.join()
     close(h, torch_rule(impl, m, x, "in")[0], STAT_RTOL)
     close(s, torch_rule(impl, m, g, "out")[0], STAT_RTOL)
+    kernels = device_kernels(lambda: fused.run(ext, x, g, False))
+    assert any("border_taps_kernel" in k for k in kernels) == (stride == 1), kernels
 
 
 @pytest.mark.parametrize(
@@ -308,7 +368,9 @@ def test_border_taps_of_a_batch_strided_input_and_on_the_side_stream(ext, impl, 
         (12, torch.bfloat16, dict(kernel_size=3, padding=1)),  # channels off the 16-byte grid
         (16, torch.bfloat16, dict(kernel_size=3, padding=1, dilation=2)),  # another geometry
         (16, torch.bfloat16, dict(kernel_size=3, padding=2)),
-        (16, torch.float32, dict(kernel_size=3, padding=1, stride=2)),
+        (16, torch.float32, dict(kernel_size=3, padding=1, stride=2)),  # (an odd map)
+        (16, torch.bfloat16, dict(kernel_size=3, padding=1, stride=(2, 1))),
+        (16, torch.bfloat16, dict(kernel_size=3, padding=0, stride=2)),
     ],
 )
 def test_border_taps_only_where_they_fit(ext, impl, C, dtype, conv):
@@ -851,8 +913,9 @@ def test_a_convolutions_statistics_take_one_launch_or_two(ext, name, dtype):
     # window_fold_side: a block of 512 threads reading 16 bytes each, whose partial window
     # sums are at most half its map values)
     taps = module.kernel_size[0] * module.kernel_size[1]
-    border = (layout == "channels_last" and module.kernel_size == (3, 3) and module.stride == (1, 1)
-              and module.padding == (1, 1) and module.in_channels % (16 // x.element_size()) == 0)
+    border = (layout == "channels_last" and module.kernel_size == (3, 3) and module.padding == (1, 1)
+              and module.in_channels % (16 // x.element_size()) == 0
+              and (module.stride == (1, 1) or (module.stride == (2, 2) and x.shape[2] % 2 == 0 == x.shape[3] % 2)))
     folds = layout == "channels_last" and 2 * module.in_channels * taps <= 512 * (16 // x.element_size())
     if border:
         assert len(kernels) == 1 and "border_taps_kernel" in kernels[0], kernels
