@@ -214,7 +214,8 @@ bool border_taps_fit(const ConvInputArgs& a, int element_size);
 // The nine reads of an input where border_taps_fit, and whether they are parity sums.
 int border_args(const ConvInputArgs& a, int element_size, ChannelArgs (&out)[kBorderSums]);
 // Whether the border launch can read g's rows in the same launch; the launch, with g's read
-// where g is not null (only where border_reads_with).
+// where g is not null (only where border_reads_with), the reads' splits lowered to one wave
+// together (share_one_wave).
 bool border_reads_with(const BorderLaunch& l, const ChannelLaunch& g);
 cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cudaStream_t stream);
 
@@ -287,8 +288,9 @@ struct ChannelLaunch {
 cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream);
 
 // Two reductions (a layer's input and its output's gradient): one launch of the rows
-// kernel where both are read by it in the same dtype and read mode, else one launch each.
-// Either way the results are launch_channel_stats'.
+// kernel where both are read by it in the same dtype and read mode, their splits planned
+// together (fewer than each one's own, so that the launch is one wave: the sums are the
+// same to fp32 rounding), else one launch each (then launch_channel_stats', bit for bit).
 cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunch& y, cudaStream_t stream);
 
 // A convolution's input statistics (launch_conv_input_stats' arguments) and its output

@@ -107,9 +107,9 @@ std::array<int64_t, 4> rows_runs(const at::Tensor& t, int64_t dim) {
 // keep 64 KiB in flight an SM: what the memory needs, capture_launch.h has the
 // measurements), in whole waves (wave_fitted_splits), and no fewer than kRowsGroupsPerSplit
 // groups of kRowsUnroll passes a block.  Most reads share a launch with another (a layer's
-// input and its output gradient, a convolution's border sums and its gradient), each planned
-// for the whole device: at two groups a block the small ones of ResNet-50's last two stages
-// made 1.4-1.7 waves together, and their last blocks summed up to 196 partials.
+// input and its output gradient, a convolution's border sums and its gradient): each is
+// planned here for the whole device (its workspace and counter slots sized so), and the
+// launch then lowers their splits to one wave together (capture_stats.cu, share_one_wave).
 constexpr int64_t kRowsGroupsPerSplit = 4;
 int64_t rows_splits(const ChannelArgs& a, const ChannelRowsShape& shape, at::ScalarType dtype) {
   const int64_t rows_per_split = kRowsGroupsPerSplit * kRowsUnroll * (kRowsBlock / shape.lanes);

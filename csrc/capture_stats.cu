@@ -1410,6 +1410,59 @@ namespace {
 // (blocks of one launch are counted in int: the kernel's block indices are)
 bool fits_launch(int64_t blocks) { return blocks <= std::numeric_limits<int>::max(); }
 
+// One of the reads that a launch of the rows kernel shares: its channel tiles, its bytes,
+// the splits planned for it alone (rows_splits: the most it may take), and where its
+// splits go (share_one_wave sets them).
+struct SharedRead {
+  int64_t tiles, bytes;
+  int max_splits;
+  int* nsplit;
+};
+
+int64_t rows_bytes(const ChannelArgs& a, int element_size) { return a.A * a.P * a.O * element_size; }
+
+// The splits of the reads that one launch shares (a layer's input and its output's
+// gradient; a convolution's nine border or parity sums and its gradient), planned together.
+// Each read planned alone fills the device (rows_splits), so a launch of two was two waves
+// of blocks, of nine sums and a gradient up to five (the parity classes), with a ramp down
+// and up between them: ResNet-50's shared reads of 32-64 MB took 5-8 us more than their
+// bytes at the rate of its largest (H100).  Together they fill one wave: each read's
+// blocks in proportion to its bytes, so that its blocks read as much as the others' and end
+// with them; the slots that whole splits leave go a split at a time to the read whose blocks
+// read the most.  Never more splits than a read's own plan, whose workspace and counter
+// slots the op sized (so every buffer fits), and at least one.  Where the reads' tiles
+// alone fill more than a wave, each keeps one split a tile.  A read's sums are as
+// deterministic as before (the splits follow from the shapes), but not bit for bit those of
+// the read on its own launch, whose splits differ.
+void share_one_wave(SharedRead* reads, int n, int64_t slots) {
+  double total = 0.0;
+  for (int i = 0; i < n; ++i) total += static_cast<double>(reads[i].bytes);
+  if (!(total > 0.0)) return;
+  int64_t used = 0;
+  for (int i = 0; i < n; ++i) {
+    SharedRead& r = reads[i];
+    const double blocks = static_cast<double>(slots) * static_cast<double>(r.bytes) / total;
+    const int64_t splits = static_cast<int64_t>(blocks / static_cast<double>(r.tiles));
+    *r.nsplit = static_cast<int>(std::clamp<int64_t>(splits, 1, r.max_splits));
+    used += r.tiles * *r.nsplit;
+  }
+  for (;;) {
+    int most = -1;  // the read whose blocks read the most that can take one more split
+    double most_bytes = 0.0;
+    for (int i = 0; i < n; ++i) {
+      const SharedRead& r = reads[i];
+      const double per_block = static_cast<double>(r.bytes) / static_cast<double>(r.tiles * *r.nsplit);
+      if (used + r.tiles <= slots && per_block > most_bytes && *r.nsplit < r.max_splits) {
+        most = i;
+        most_bytes = per_block;
+      }
+    }
+    if (most < 0) return;
+    ++*reads[most].nsplit;
+    used += reads[most].tiles;
+  }
+}
+
 // A planned reduction as an item of the rows kernel, of the shape it reads.
 RowsItem rows_item(const ChannelLaunch& l, const ChannelRowsShape& shape) {
   RowsItem it{};
@@ -1474,7 +1527,10 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
       RowsPair pair{};
       pair.first = rows_item(x, sx);
       pair.second = rows_item(y, sy);
-      pair.first_blocks = static_cast<int>(sx.tiles * x.nsplit);
+      SharedRead reads[2] = {{sx.tiles, rows_bytes(x.a, size), x.nsplit, &pair.first.nsplit},
+                             {sy.tiles, rows_bytes(y.a, size), y.nsplit, &pair.second.nsplit}};
+      share_one_wave(reads, 2, static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(sx.read, x.dtype));
+      pair.first_blocks = static_cast<int>(sx.tiles * pair.first.nsplit);
       return dispatch_float_dtype(x.dtype, [&](auto* tag) -> cudaError_t {
         return launch_rows<std::remove_pointer_t<decltype(tag)>>(pair, sx.read, stream);
       });
@@ -1590,12 +1646,27 @@ int64_t border_blocks(const BorderLaunch& l, const ChannelLaunch* g) {
 
 bool border_reads_with(const BorderLaunch& l, const ChannelLaunch& g) { return border_blocks(l, &g) > 0; }
 
-cudaError_t launch_border_taps(const BorderLaunch& l, const ChannelLaunch* g, cudaStream_t stream) {
+cudaError_t launch_border_taps(const BorderLaunch& planned, const ChannelLaunch* g_planned, cudaStream_t stream) {
+  if (border_blocks(planned, g_planned) == 0) return cudaErrorInvalidValue;
+  const int size = static_cast<int>(c10::elementSize(planned.dtype));
+  const int64_t tiles = channel_rows_shape(planned.a[0], size).tiles;
+  // the reads' splits planned together (share_one_wave); the workspace and the counter
+  // slots, sized for the plan's splits, hold the fewer (border_layout's parts only shrink)
+  BorderLaunch l = planned;
+  ChannelLaunch g_shared{};
+  const ChannelLaunch* g = nullptr;
+  SharedRead reads[kBorderItems];
+  int n = 0;
+  for (int k = 0; k < kBorderSums; ++k) reads[n++] = {tiles, rows_bytes(l.a[k], size), l.nsplit[k], &l.nsplit[k]};
+  if (g_planned != nullptr) {
+    g_shared = *g_planned;
+    g = &g_shared;
+    reads[n++] = {channel_rows_shape(g->a, size).tiles, rows_bytes(g->a, size), g->nsplit, &g_shared.nsplit};
+  }
+  share_one_wave(reads, n, static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(RowsRead::kVector, l.dtype));
   const int64_t blocks = border_blocks(l, g);
-  if (blocks == 0) return cudaErrorInvalidValue;
-  const int size = static_cast<int>(c10::elementSize(l.dtype));
   BorderTaps job{};
-  const BorderLayout layout = border_layout(l, channel_rows_shape(l.a[0], size).tiles);
+  const BorderLayout layout = border_layout(l, tiles);
   int start = 0;
   for (int k = 0; k < kBorderSums; ++k) {
     const ChannelRowsShape s = channel_rows_shape(l.a[k], size);
