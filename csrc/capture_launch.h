@@ -125,6 +125,10 @@ ChannelRowsShape channel_rows_shape(const ChannelArgs& a, int element_size);
 // How many of its blocks of kRowsBlock threads an SM of the current device holds at once
 // (its registers decide: measured by the runtime, cached); 1 if that cannot be asked.
 int channel_rows_blocks_per_sm(RowsRead read, at::ScalarType dtype);
+// The blocks of the rows kernel the current device holds at once (one wave): its SMs times
+// channel_rows_blocks_per_sm.  A read planned alone takes this many splits at most, and the
+// reads that share a launch share this many.
+int64_t rows_slots(RowsRead read, at::ScalarType dtype);
 
 // One tensor's reduction in a launch of the rows kernel: its arguments, the lanes of its
 // shape, its splits and channel tiles, its workspace (nsplit x O partials), counter slots

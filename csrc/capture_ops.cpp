@@ -113,8 +113,8 @@ std::array<int64_t, 4> rows_runs(const at::Tensor& t, int64_t dim) {
 constexpr int64_t kRowsGroupsPerSplit = 4;
 int64_t rows_splits(const ChannelArgs& a, const ChannelRowsShape& shape, at::ScalarType dtype) {
   const int64_t rows_per_split = kRowsGroupsPerSplit * kRowsUnroll * (kRowsBlock / shape.lanes);
-  const int64_t slots = static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(shape.read, dtype);
-  return wave_fitted_splits(shape.tiles, slots, std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
+  return wave_fitted_splits(shape.tiles, rows_slots(shape.read, dtype),
+                            std::min<int64_t>(1024, ceil_div(a.A * a.P, rows_per_split)));
 }
 
 // Counter slots for two reductions of one launch, whose last blocks' counters are live

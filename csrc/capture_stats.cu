@@ -645,7 +645,7 @@ __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t s
     if constexpr (kRead == RowsRead::kScalar) {
       return *q;
     } else {
-      return __ldg(reinterpret_cast<const uint4*>(q));
+      return load_streaming16(q);
     }
   };
   auto add = [&](const Raw& raw) {
@@ -710,7 +710,7 @@ __device__ __forceinline__ bool channel_rows_block(const RowsItem& item, int b, 
           shift[u] = static_cast<int>(first & 15u);
           const uintptr_t mine = first - shift[u] + 16u * static_cast<unsigned>(cl);
           // the 16 bytes on the grid that hold any of the tile's bytes lie in its allocation
-          if (mine < first + tile_bytes) raw[u] = __ldg(reinterpret_cast<const uint4*>(mine));
+          if (mine < first + tile_bytes) raw[u] = load_streaming16(reinterpret_cast<const void*>(mine));
         }
       }
 #pragma unroll
@@ -738,7 +738,7 @@ __device__ __forceinline__ bool channel_rows_block(const RowsItem& item, int b, 
         if constexpr (kRead == RowsRead::kScalar) {
           raw[u] = q < rr.hi ? row(q)[cl] : T(0.f);
         } else {
-          raw[u] = q < rr.hi ? __ldg(reinterpret_cast<const uint4*>(row(q) + cl * V)) : make_uint4(0u, 0u, 0u, 0u);
+          raw[u] = q < rr.hi ? load_streaming16(row(q) + cl * V) : make_uint4(0u, 0u, 0u, 0u);
         }
       }
 #pragma unroll
@@ -1316,6 +1316,10 @@ int channel_rows_blocks_per_sm(RowsRead read, at::ScalarType dtype) {
   return n;
 }
 
+int64_t rows_slots(RowsRead read, at::ScalarType dtype) {
+  return static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(read, dtype);
+}
+
 int capture_sm_count() {
   static std::mutex mu;
   static std::vector<int> cache;
@@ -1529,7 +1533,7 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
       pair.second = rows_item(y, sy);
       SharedRead reads[2] = {{sx.tiles, rows_bytes(x.a, size), x.nsplit, &pair.first.nsplit},
                              {sy.tiles, rows_bytes(y.a, size), y.nsplit, &pair.second.nsplit}};
-      share_one_wave(reads, 2, static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(sx.read, x.dtype));
+      share_one_wave(reads, 2, rows_slots(sx.read, x.dtype));
       pair.first_blocks = static_cast<int>(sx.tiles * pair.first.nsplit);
       return dispatch_float_dtype(x.dtype, [&](auto* tag) -> cudaError_t {
         return launch_rows<std::remove_pointer_t<decltype(tag)>>(pair, sx.read, stream);
@@ -1663,7 +1667,7 @@ cudaError_t launch_border_taps(const BorderLaunch& planned, const ChannelLaunch*
     g = &g_shared;
     reads[n++] = {channel_rows_shape(g->a, size).tiles, rows_bytes(g->a, size), g->nsplit, &g_shared.nsplit};
   }
-  share_one_wave(reads, n, static_cast<int64_t>(capture_sm_count()) * channel_rows_blocks_per_sm(RowsRead::kVector, l.dtype));
+  share_one_wave(reads, n, rows_slots(RowsRead::kVector, l.dtype));
   const int64_t blocks = border_blocks(l, g);
   BorderTaps job{};
   const BorderLayout layout = border_layout(l, tiles);
