@@ -94,9 +94,10 @@ __device__ __forceinline__ void load_raw(RawPack<N, T>& dst, const T* __restrict
 
 // 16 read-only bytes at p (16-byte aligned) that a single pass streams: not kept in L1
 // (nothing reads them again), with a hint that the L2 fetch the 256 bytes around them from
-// DRAM in one go (the next lanes' and rows' loads then find them there).  The capture
-// statistics read so: on one H100, ResNet-50's rows and border launches took 137 us less per
-// capture step than with __ldg, 2659 -> 2522 us (docs/results/probe-rows-tail-hint-h100-56664b3.txt).
+// DRAM in one go (the next lanes' and rows' loads then find them there).  The rows kernel
+// reads so: on one H100, against __ldg, the package's kernels per capture step went from
+// 2612 to 2469 us on ResNet-50 and from 2597 to 2442 us on the GPT
+// (docs/results/ab-streaming-loads-h100-ce4cff8.txt).
 // (The hint needs sm_80; older targets load as __ldg does.)
 __device__ __forceinline__ uint4 load_streaming16(const void* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
