@@ -14,7 +14,9 @@
 # times move less between runs than a train step's); $AB_ROUNDS rounds (default 2).  Logs
 # under $OUT (one per side, appended), the rows named by $AB_ROWS (default: the step-synchronous
 # capture step and the host's price of a launch) last, per round and side.  The checkout is
-# left as it was found (the patch taken out again), also after a failure.
+# left as it was found (the patch taken out again), also after a failure.  With AB_CMD running
+# scripts/step_kernels.py, scripts/kernels_ab.py $OUT/bench-A.log $OUT/bench-B.log compares
+# the two sides launch by launch (B - A).
 patch_file="${1:-}"
 if [ -z "$patch_file" ] || [ ! -f "$patch_file" ]; then
   echo "usage: bash scripts/gpu_ab.sh PATCH (a git diff to apply for side B; got '${patch_file}', no such file)" >&2
