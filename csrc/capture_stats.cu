@@ -921,8 +921,7 @@ __global__ void __launch_bounds__(kRowsBlock, 2) border_taps_kernel(const __grid
 #pragma unroll
   for (int ki = 0; ki < 3; ++ki) {
 #pragma unroll
-    for (int kj = 0; kj < 3; ++kj)
-    {
+    for (int kj = 0; kj < 3; ++kj) {
       const float t = ((base[ki][kj] - rows_out[ki][kj]) - cols_out[ki][kj]) + corner[ki][kj];
       job.out[c * 9 + ki * 3 + kj] = t < 0.f ? 0.f : t;
     }

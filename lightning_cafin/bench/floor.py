@@ -20,8 +20,8 @@ and the output gradient at the output's dtype.  A training batch norm or a layer
 ``(B, T, ..., D)`` with a trained bias reads neither (its statistics come from the means it
 saved and its bias gradient, ``capture/taps.py``); any other norm counts both.  Not
 counted: a 3 x 3 convolution's second read of its border or last row and column
-(``BorderTaps``) or its window sums over its per-position maps, the factor update, launch latency: the floor is below any
-real figure.
+(``BorderTaps``) or its window sums over its per-position maps, the factor update, launch
+latency: the floor is below any real figure.
 """
 
 from __future__ import annotations
