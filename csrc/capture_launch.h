@@ -132,16 +132,32 @@ int64_t rows_slots(RowsRead read, at::ScalarType dtype);
 
 // One tensor's reduction in a launch of the rows kernel: its arguments, the lanes of its
 // shape, its splits and channel tiles, its workspace (nsplit x O partials), counter slots
-// (one per tile) and output.  An item of no tiles has no blocks.
+// (one per tile) and output.  An item of no tiles has no blocks.  A `deferred` item of
+// more than one split writes its partials only: a later finish_sums launch sums them.
 struct RowsItem {
   ChannelArgs a;
   int lanes;
   int nsplit;
   int tiles;
+  int deferred;
   float* partials;
   unsigned* counters;
   float* dst;
 };
+
+// A deferred read's last step (RowsItem.deferred): its `tiles` tiles of `width` channels
+// of O, each the sum of `nsplit` rows of partials in the order the rows kernel's last
+// block sums them (the same floats), times post_mul where apply_post, into dst.  `vec` is
+// the read's elements per lane (1, 4 or 8): the sums' grouping follows it.
+struct FinishItem {
+  const float* partials;
+  float* dst;
+  int64_t O;
+  int nsplit, tiles, width, vec, apply_post;
+  float post_mul;
+};
+// Every item's sums in launches of finish_sums_kernel, a block per tile, on `stream`.
+cudaError_t launch_finish_sums(const FinishItem* items, int n, cudaStream_t stream);
 
 // A launch of the rows kernel: blocks [0, first_blocks) are the first item's, the rest
 // the second's (an empty second item for a launch of one tensor).
@@ -277,6 +293,13 @@ struct SumsqAndMiddle {
   float* dst;
 };
 
+// Where a launcher says what it deferred of a read (ChannelLaunch.defer): `set` where the
+// read's rows-kernel blocks left their partials for `item` to sum (more than one split).
+struct DeferredSums {
+  FinishItem item{};
+  bool set = false;
+};
+
 // One channel-statistics reduction as its op planned it: the kernel (rows or middle), its
 // split, workspace (nsplit > 1) and counter slots, and where the sums go.
 struct ChannelLaunch {
@@ -287,6 +310,9 @@ struct ChannelLaunch {
   float* ws;
   unsigned* counters;
   float* out;
+  // non-null: a rows-kernel read of more than one split leaves its partials in `ws` and
+  // fills *defer (ws must then live until that finish runs); other reads ignore it
+  DeferredSums* defer = nullptr;
 };
 
 cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream);

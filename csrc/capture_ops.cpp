@@ -5,6 +5,7 @@
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "checks.h"
+#include "deferred_sums.h"
 #include "factor_launch.h"
 #include "record_op.h"
 #include "side_stream.h"
@@ -532,10 +533,14 @@ at::Tensor input_stats(const at::Tensor& x, const std::vector<int64_t>& input_op
   return run_alone(plan_input(x, input_op, input_div, conv), x);
 }
 
-std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
-                                               const std::vector<int64_t>& input_op, double input_div,
-                                               int64_t grad_dim, bool grad_square, double grad_div, bool side) {
-  LIGHTNING_CAFIN_RECORD_OP("layer_stats");
+namespace {
+
+// layer_stats, and where `defer` (the taps' call) its rows-kernel pair's sums over splits
+// left to finish_deferred_sums() (deferred_sums.h).
+std::tuple<at::Tensor, at::Tensor> layer_stats_impl(const at::Tensor& x, const at::Tensor& grad,
+                                                    const std::vector<int64_t>& input_op, double input_div,
+                                                    int64_t grad_dim, bool grad_square, double grad_div, bool side,
+                                                    bool defer) {
   if (x.defined() && x.device().is_cpu() && grad.defined() && grad.device().is_cpu())
     return layer_stats_reference(x, grad, input_op, input_div, grad_dim, grad_square, grad_div);
   check_input(x, kLayer, "x");
@@ -563,22 +568,33 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
   const int64_t nh = ip.n_out(), wh = ip.n_ws();
   const bool h_zeros = ip.zeros();
   const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;
+  const cudaStream_t stream = current_stream(x);
+  const bool pair = !conv && !h_zeros && !pg.zeros;
+  // a deferred pair's partials live until their finish: a slice of the results block, not
+  // the scratch that the stream's next op reuses
+  const bool defer_pair = defer && pair && n_ws > 0 && !stream_capturing(stream);
   at::Tensor out = result_floats(off_s + pg.n_out, x);  // [h | s]
-  at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, x) : at::Tensor();  // [h's workspace | s's]
+  at::Tensor ws = n_ws > 0 ? (defer_pair ? result_floats(n_ws, x) : scratch_floats(n_ws, x))
+                           : at::Tensor();  // [h's workspace | s's]
   float* o = out.data_ptr<float>();
   float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;
-  const cudaStream_t stream = current_stream(x);
   at::Tensor h = part_of(out, 0, nh), s = part_of(out, off_s, pg.n_out);
   float* const s_ws = w ? w + aligned(wh) : nullptr;
-  if (!conv && !h_zeros && !pg.zeros) {  // a linear layer's two reductions: one launch where one kernel reads both
+  if (pair) {  // a linear layer's two reductions: one launch where one kernel reads both
     // In one launch both items' last-block counters are live together, so they take
     // disjoint slots: the input's the first n_out (a tile per channel at most), the
     // gradient's the next (two launches one after the other could share them).
     // Where no such slots can be had (a stream being captured, its pool too small to grow),
     // one launch each, below, as for any other layer.
     ChannelLaunch lx = channel_launch(px, o, w), lg = channel_launch(pg, o + off_s, s_ws);
+    DeferredSums dx, dg;
+    if (defer_pair) {
+      lx.defer = &dx;
+      lg.defer = &dg;
+    }
     if (disjoint_slots(px.t, lx.counters, px.n_out, lg.counters, pg.n_out)) {
       check_launch(launch_channel_stats_pair(lx, lg, stream), kLayer);
+      if (dx.set || dg.set) defer_sums(x, stream, {&dx, &dg}, {ws, out});
       return {h, s};
     }
   }
@@ -629,6 +645,23 @@ std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Te
     launch(pg, o + off_s, s_ws, stream);
   }
   return {h, s};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
+                                               const std::vector<int64_t>& input_op, double input_div,
+                                               int64_t grad_dim, bool grad_square, double grad_div, bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("layer_stats");
+  return layer_stats_impl(x, grad, input_op, input_div, grad_dim, grad_square, grad_div, side, /*defer=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_stats_for_tap(const at::Tensor& x, const at::Tensor& grad,
+                                                       const std::vector<int64_t>& input_op, double input_div,
+                                                       int64_t grad_dim, bool grad_square, double grad_div,
+                                                       bool side) {
+  LIGHTNING_CAFIN_RECORD_OP("layer_stats");
+  return layer_stats_impl(x, grad, input_op, input_div, grad_dim, grad_square, grad_div, side, /*defer=*/true);
 }
 
 at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at::Tensor>& s,

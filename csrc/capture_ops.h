@@ -29,6 +29,13 @@ at::Tensor channel_stats(const at::Tensor& t, int64_t dim, bool square, double d
 std::tuple<at::Tensor, at::Tensor> layer_stats(const at::Tensor& x, const at::Tensor& grad,
                                                const std::vector<int64_t>& input_op, double input_div,
                                                int64_t grad_dim, bool grad_square, double grad_div, bool side);
+// layer_stats as the gradient taps call it (capture_tap.h): where the two reductions share
+// a launch of the rows kernel, their sums over splits are left to finish_deferred_sums()
+// (deferred_sums.h), so (h, s) hold them only after that runs (capture_join(), a sink's take).
+std::tuple<at::Tensor, at::Tensor> layer_stats_for_tap(const at::Tensor& x, const at::Tensor& grad,
+                                                       const std::vector<int64_t>& input_op, double input_div,
+                                                       int64_t grad_dim, bool grad_square, double grad_div,
+                                                       bool side);
 
 // layer_stats' and channel_stats' contracts on CPU tensors (float32/float64/float16/bfloat16),
 // with ATen ops (capture_reference.cpp; side does not apply).  layer_stats sends CPU tensors

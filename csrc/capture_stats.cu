@@ -667,6 +667,60 @@ __device__ __forceinline__ void sum_flat_rows(const T* __restrict__ p, int64_t s
   for (; left > 0; left -= pass, p += step) add(load(p));
 }
 
+// The sums of a tile's splits, for its channels [tile0, tile0 + width) of O: `nsplit` rows
+// of partials (row k at partials + k * O), summed by one block of kBlock threads in a fixed
+// order.  `groups` threads per column (or per four columns, read as one float4 where the
+// rows allow) take every groups-th split, then thread c adds the groups in order
+// (deterministic).  Its loads are what a launch waits for at its end, so as many are kept
+// in flight as the block can.  Thread c's total (0 for c >= width); smem holds kBlock * V
+// floats, and every thread of the block calls it (two barriers).  The rows kernel's last
+// block of a tile calls it, and finish_sums_kernel for a deferred read: the same sums.
+template <int V, int kBlock>
+__device__ __forceinline__ float sum_split_partials(const float* __restrict__ partials, int nsplit, int64_t O,
+                                                    int64_t tile0, int width, float* smem) {
+  __syncthreads();  // every thread is done with what smem held
+  int groups;
+  if (V >= 4 && O % 4 == 0) {  // smem holds kBlock * V >= groups * width floats
+    const int quads = width / 4;
+    groups = kBlock / quads;
+    const int g = threadIdx.x / quads, q = threadIdx.x % quads;
+    float4 part = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < groups && tile0 + 4 * q < O) {
+#pragma unroll 8
+      for (int k = g; k < nsplit; k += groups) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(partials + static_cast<int64_t>(k) * O + tile0 + 4 * q));
+        part.x += v.x;
+        part.y += v.y;
+        part.z += v.z;
+        part.w += v.w;
+      }
+    }
+    if (g < groups) {  // (a tile of 31 vectors leaves threads past the last group)
+      float* slot = smem + g * width + 4 * q;
+      slot[0] = part.x;
+      slot[1] = part.y;
+      slot[2] = part.z;
+      slot[3] = part.w;
+    }
+  } else {
+    groups = kBlock / width;
+    const int g = threadIdx.x / width, cc = threadIdx.x % width;
+    float part = 0.f;
+    if (g < groups && tile0 + cc < O) {
+#pragma unroll 8
+      for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * O + tile0 + cc);
+    }
+    smem[threadIdx.x] = part;
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  float total = 0.f;
+  if (c < width && tile0 + c < O) {
+    for (int k = 0; k < groups; ++k) total += smem[k * width + c];
+  }
+  return total;
+}
+
 // One block of the rows kernel over one item (RowsItem): its block b is tile b % tiles
 // and split b / tiles (the order of a (tiles, splits) grid).  `smem` holds kBlock * V floats.
 // True where this block wrote its tile's sums to dst (the tile's one split, or its last).
@@ -766,51 +820,10 @@ __device__ __forceinline__ bool channel_rows_block(const RowsItem& item, int b, 
     return true;
   }
   if (mine) partials[static_cast<int64_t>(by) * a.O + tile0 + c] = s;
+  if (item.deferred) return false;  // (finish_sums_kernel sums the splits later, as below)
   if (!finished_last(counters + bx, nsplit)) return false;
-  // The last block sums the splits: `groups` threads per column (or per four columns, read
-  // as one float4 where the rows allow) take every groups-th split, then thread c adds the
-  // groups in order (a fixed order: deterministic).  Its loads are what the launch waits
-  // for at the end, so as many are kept in flight as the block can.
-  __syncthreads();  // every thread is done with the pass sums in smem
-  int groups;
-  if (V >= 4 && a.O % 4 == 0) {  // smem holds kBlock * V >= groups * width floats
-    const int quads = width / 4;
-    groups = kBlock / quads;
-    const int g = threadIdx.x / quads, q = threadIdx.x % quads;
-    float4 part = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (g < groups && tile0 + 4 * q < a.O) {
-#pragma unroll 8
-      for (int k = g; k < nsplit; k += groups) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(partials + static_cast<int64_t>(k) * a.O + tile0 + 4 * q));
-        part.x += v.x;
-        part.y += v.y;
-        part.z += v.z;
-        part.w += v.w;
-      }
-    }
-    if (g < groups) {  // (a tile of 31 vectors leaves threads past the last group)
-      float* slot = smem + g * width + 4 * q;
-      slot[0] = part.x;
-      slot[1] = part.y;
-      slot[2] = part.z;
-      slot[3] = part.w;
-    }
-  } else {
-    groups = kBlock / width;
-    const int g = threadIdx.x / width, cc = threadIdx.x % width;
-    float part = 0.f;
-    if (g < groups && tile0 + cc < a.O) {
-#pragma unroll 8
-      for (int k = g; k < nsplit; k += groups) part += __ldcg(partials + static_cast<int64_t>(k) * a.O + tile0 + cc);
-    }
-    smem[threadIdx.x] = part;
-  }
-  __syncthreads();
-  if (mine) {
-    float total = 0.f;
-    for (int k = 0; k < groups; ++k) total += smem[k * width + c];
-    dst[tile0 + c] = finish(a, total);
-  }
+  const float total = sum_split_partials<V, kBlock>(partials, nsplit, a.O, tile0, width, smem);
+  if (mine) dst[tile0 + c] = finish(a, total);
   return true;
 }
 
@@ -829,6 +842,38 @@ __global__ void __launch_bounds__(kBlock) channel_rows_kernel(const __grid_const
     channel_rows_block<T, kRead, kBlock, kUnroll>(pair.first, b, smem);
   } else {
     channel_rows_block<T, kRead, kBlock, kUnroll>(pair.second, b - pair.first_blocks, smem);
+  }
+}
+
+// The sums of deferred reads (FinishItem): a block per tile of each item, summing its splits
+// as the rows kernel's last block does (sum_split_partials with the read's vec), so that a
+// read's sums are the same floats deferred or not.  Where the rows kernel's blocks leave
+// their partials to it, a capture step's launches end without their last blocks' tails (a
+// device-wide fence, a count, then one block summing up to hundreds of rows of partials
+// alone), which took about 157 us of ResNet-50's capture-step kernels on an H100
+// (docs/results/probe-rows-tail-hint-h100-56664b3.txt); these sums run in one launch.
+constexpr int kFinishMaxItems = 256;
+using FinishList = LaunchList<FinishItem, kFinishMaxItems, /*kRanged=*/true>;
+static_assert(sizeof(FinishList) <= kParamBytesLarge, "finish_sums_kernel's list exceeds the kernel-parameter budget");
+
+template <int V>
+__device__ __forceinline__ void finish_tile(const FinishItem& f, int bx, float* smem) {
+  const int64_t tile0 = static_cast<int64_t>(bx) * f.width;
+  const float total = sum_split_partials<V, kRowsBlock>(f.partials, f.nsplit, f.O, tile0, f.width, smem);
+  const int c = threadIdx.x;
+  if (c < f.width && tile0 + c < f.O) f.dst[tile0 + c] = f.apply_post ? total * f.post_mul : total;
+}
+
+__global__ void __launch_bounds__(kRowsBlock) finish_sums_kernel(const __grid_constant__ FinishList list) {
+  __shared__ float smem[kRowsBlock * 8];
+  const UnitOf at = unit_of_block(list, static_cast<int32_t>(blockIdx.x));
+  const FinishItem& f = list.item[at.slot];
+  if (f.vec == 8) {  // (the same for the whole block: its barriers are reached by all)
+    finish_tile<8>(f, at.unit, smem);
+  } else if (f.vec == 4) {
+    finish_tile<4>(f, at.unit, smem);
+  } else {
+    finish_tile<1>(f, at.unit, smem);
   }
 }
 
@@ -1478,7 +1523,27 @@ RowsItem rows_item(const ChannelLaunch& l, const ChannelRowsShape& shape) {
   it.partials = l.ws;
   it.counters = l.counters;
   it.dst = l.out;
+  it.deferred = l.defer != nullptr ? 1 : 0;
   return it;
+}
+
+// Where `it` (rows_item's, its splits final) is a deferred read of more than one split:
+// what its finish needs, in *l.defer.
+void note_deferred(const ChannelLaunch& l, const RowsItem& it, const ChannelRowsShape& shape, int element_size) {
+  if (l.defer == nullptr) return;
+  l.defer->set = it.nsplit > 1 && it.tiles > 0;
+  if (!l.defer->set) return;
+  const int vec = shape.read == RowsRead::kScalar ? 1 : 16 / element_size;
+  FinishItem& f = l.defer->item;
+  f.partials = it.partials;
+  f.dst = it.dst;
+  f.O = it.a.O;
+  f.nsplit = it.nsplit;
+  f.tiles = it.tiles;
+  f.width = it.lanes * vec - (shape.read == RowsRead::kShifted ? vec : 0);
+  f.vec = vec;
+  f.apply_post = it.a.apply_post;
+  f.post_mul = it.a.post_mul;
 }
 
 template <typename T>
@@ -1499,6 +1564,15 @@ cudaError_t launch_rows(const RowsPair& pair, RowsRead read, cudaStream_t stream
 
 }  // namespace
 
+cudaError_t launch_finish_sums(const FinishItem* items, int n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const auto tiles = [](const FinishItem& f) -> int64_t { return f.tiles; };
+  return launch_items<FinishList>(items, static_cast<size_t>(n), tiles, [&](const FinishList& list, int blocks) {
+    finish_sums_kernel<<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(list);
+    return cudaGetLastError();
+  });
+}
+
 cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream) {
   const ChannelArgs& a = l.a;
   return dispatch_float_dtype(l.dtype, [&](auto* tag) -> cudaError_t {
@@ -1511,6 +1585,7 @@ cudaError_t launch_channel_stats(const ChannelLaunch& l, cudaStream_t stream) {
       RowsPair pair{};
       pair.first = rows_item(l, shape);
       pair.first_blocks = static_cast<int>(shape.tiles * l.nsplit);
+      note_deferred(l, pair.first, shape, static_cast<int>(sizeof(T)));
       return launch_rows<T>(pair, shape.read, stream);
     }
     const bool vec = middle_reads_vectors(a, kV);
@@ -1536,6 +1611,8 @@ cudaError_t launch_channel_stats_pair(const ChannelLaunch& x, const ChannelLaunc
                              {sy.tiles, rows_bytes(y.a, size), y.nsplit, &pair.second.nsplit}};
       share_one_wave(reads, 2, rows_slots(sx.read, x.dtype));
       pair.first_blocks = static_cast<int>(sx.tiles * pair.first.nsplit);
+      note_deferred(x, pair.first, sx, size);
+      note_deferred(y, pair.second, sy, size);
       return dispatch_float_dtype(x.dtype, [&](auto* tag) -> cudaError_t {
         return launch_rows<std::remove_pointer_t<decltype(tag)>>(pair, sx.read, stream);
       });

@@ -3,6 +3,7 @@
 
 #include "capture_ops.h"
 #include "checks.h"
+#include "deferred_sums.h"
 #include "record_op.h"
 
 #include <ATen/SavedTensorHooks.h>
@@ -69,7 +70,8 @@ struct LayerTap final : OutputTap {
     if (!grad_base.defined()) return;
     const at::Tensor grad(grad_base);
     const TapPlan& p = *plan;
-    auto [h, s] = layer_stats(input, grad, p.input_op, p.input_div, p.grad_dim, p.grad_square, p.grad_div, side);
+    auto [h, s] = layer_stats_for_tap(input, grad, p.input_op, p.input_div, p.grad_dim, p.grad_square, p.grad_div,
+                                      side);
     p.sink->add({std::move(h), p.hn, std::move(s), p.sn});
   }
 };
@@ -170,6 +172,7 @@ void TapSink::add(Result r) {
 }
 
 std::vector<TapSink::Result> TapSink::take() {
+  finish_deferred_sums();  // (the results handed out hold their sums from here on)
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Result> out;
   out.swap(results_);
@@ -207,6 +210,7 @@ std::shared_ptr<TakenSums> take_single(
 
 std::shared_ptr<TakenSums> take_single(const SinkSet& set) {
   LIGHTNING_CAFIN_RECORD_OP("take_single");
+  finish_deferred_sums();  // (the sums taken hold their values from here on)
   const size_t L = set.sinks.size();
   auto fits = [](const at::Tensor& t, int64_t n, const c10::Device& place) {
     return t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&

@@ -2,6 +2,8 @@
 // created on first use and kept for the process (an event may be recorded again as soon as
 // a wait on it has been enqueued: the wait captures the record that preceded it).
 #include "side_stream.h"
+
+#include "deferred_sums.h"
 #include "stream_buffers.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -131,6 +133,7 @@ void side_exit() {
 }
 
 void capture_join() {
+  finish_deferred_sums();  // (on their streams: the side streams' finish is then part of what is joined)
   each_pending([](DeviceSide& d, cudaStream_t cur) {
     if (stream_capturing(cur)) {
       // a graph cannot wait on work outside it: finish the side work first

@@ -1,0 +1,83 @@
+// Deferred sums over splits (deferred_sums.h).
+#include "deferred_sums.h"
+
+#include "checks.h"
+#include "stream_buffers.h"
+
+#include <c10/cuda/CUDAGuard.h>
+
+#include <atomic>
+#include <mutex>
+#include <utility>
+
+namespace lightning_cafin {
+namespace {
+
+struct Pending {
+  c10::DeviceIndex device;
+  cudaStream_t stream;
+  std::vector<FinishItem> items;
+  std::vector<at::Tensor> keep;
+};
+
+struct Registry {
+  std::mutex mu;
+  std::vector<Pending> pending;  // one entry per (device, stream), in the order first used
+  std::atomic<bool> any{false};
+};
+
+Registry& registry() {
+  // never destroyed: tensors freed after the CUDA context at exit would crash
+  static auto* r = new Registry();
+  return *r;
+}
+
+}  // namespace
+
+void defer_sums(const at::Tensor& like, cudaStream_t stream, std::initializer_list<const DeferredSums*> deferred,
+                std::vector<at::Tensor> keep) {
+  std::vector<FinishItem> items;
+  for (const DeferredSums* d : deferred) {
+    if (d != nullptr && d->set) items.push_back(d->item);
+  }
+  if (items.empty()) return;
+  const c10::DeviceIndex device = like.device().index();
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  Pending* p = nullptr;
+  for (Pending& q : r.pending) {
+    if (q.device == device && q.stream == stream) p = &q;
+  }
+  if (p == nullptr) {
+    r.pending.push_back(Pending{device, stream, {}, {}});
+    p = &r.pending.back();
+  }
+  p->items.insert(p->items.end(), items.begin(), items.end());
+  for (at::Tensor& t : keep) p->keep.push_back(std::move(t));
+  r.any.store(true, std::memory_order_release);
+}
+
+void finish_deferred_sums() {
+  Registry& r = registry();
+  if (!r.any.load(std::memory_order_acquire)) return;
+  std::vector<Pending> work;
+  {
+    const std::lock_guard<std::mutex> lock(r.mu);
+    work.swap(r.pending);
+    r.any.store(false, std::memory_order_release);
+  }
+  for (const Pending& p : work) {
+    const c10::cuda::CUDAGuard guard(p.device);
+    // (a launch now would only be recorded into the graph, and run at its replays)
+    TORCH_CHECK(!stream_capturing(p.stream),
+                "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
+                "taken while their stream is being captured into one; take them (the optimizer step) before the "
+                "capture begins");
+    check_launch(launch_finish_sums(p.items.data(), static_cast<int>(p.items.size()), p.stream),
+                 "finish_deferred_sums: ");
+  }
+  // `work` drops the kept tensors here: their memory returns to the caching allocator of
+  // the stream it was taken on, for work ordered after the finish launches made above
+}
+
+}  // namespace lightning_cafin

@@ -1,0 +1,115 @@
+"""The gradient taps' deferred sums over splits (``csrc/deferred_sums.h``, GPU only).
+
+A tap's rows-kernel launch leaves its partial sums; one finish launch per stream sums them
+when the statistics are taken (a sink's ``take``, or ``capture_join``).  The finish sums the
+splits as the rows kernel's last block does, so a tap's ``(h, s)`` equal ``layer_stats``' on
+the same input and gradient bit for bit, on the current and the side stream; micro-batches
+leave several launches to one finish; the finish's buffers are held while the stream's
+memory is reused before the take.  Inputs are fresh and random (never zeros).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cafin.capture.layers import rule_for
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred sums need a CUDA device"),
+]
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def ext(fused_ok):
+    from lightning_cafin.kernels import load_extension
+
+    return load_extension()
+
+
+def _linear_tokens():
+    """A GPT MLP's first layer in bf16 on 16 x 256 tokens: 768 -> 3072 channels, many splits."""
+    return nn.Linear(768, 3072).to(DEV, torch.bfloat16), torch.randn(16, 256, 768, device=DEV, dtype=torch.bfloat16)
+
+
+def _linear_fp32():
+    """A float32 Linear on 4096 rows whose 1001 outputs are no multiple of four: its gradient is
+    read one element a lane (the finish's scalar sums), its input in 16-byte vectors (two launches)."""
+    return nn.Linear(512, 1001).to(DEV), torch.randn(4096, 512, device=DEV)
+
+
+def _pointwise_conv():
+    """A ResNet bottleneck's 1 x 1 convolution on a channels_last bf16 map (a per-channel read)."""
+    conv = nn.Conv2d(64, 256, 1, bias=False).to(DEV, torch.bfloat16).to(memory_format=torch.channels_last)
+    return conv, torch.randn(32, 64, 28, 28, device=DEV, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+
+
+LAYERS = {"linear-bf16-tokens": _linear_tokens, "linear-fp32-1001": _linear_fp32, "conv1x1-bf16-cl": _pointwise_conv}
+
+
+def _tapped(ext, module, x, side, sink=None):
+    """The module's output with a tap on it, the tap's sink and its layer_stats arguments."""
+    out = module(x)
+    fused = rule_for(module).fused_stats(module, x.shape, out.shape)
+    sink = ext.TapSink() if sink is None else sink
+    fused.tap_plan(ext, sink).tap(x, out, side)
+    return out, sink, fused
+
+
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_taps_sums_taken_after_its_backward_equal_layer_stats_bit_for_bit(ext, name, side):
+    torch.manual_seed(0)
+    module, x = LAYERS[name]()
+    out, sink, fused = _tapped(ext, module, x, side)
+    out.retain_grad()
+    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ext.capture_join()  # (the side stream's finish is launched here, the current stream's at the take)
+        ((h, hn, s, sn),) = sink.take()
+        torch.cuda.synchronize()
+    finishes = [e for e in prof.events() if "finish_sums_kernel" in e.name]
+    assert len(finishes) == 1, [e.name for e in prof.events()]  # one launch for the layer's deferred reads
+    want_h, want_s = fused.run(ext, x, out.grad, side)
+    ext.capture_join()
+    torch.cuda.synchronize()
+    assert (hn, sn) == (fused.hn, fused.sn)
+    assert h.abs().sum() > 0 and s.abs().sum() > 0
+    assert torch.equal(h, want_h), name
+    assert torch.equal(s, want_s), name
+
+
+def test_micro_batches_leave_several_launches_to_one_finish(ext):
+    torch.manual_seed(1)
+    module, _ = _linear_tokens()
+    sink, wants = ext.TapSink(), []
+    for _ in range(3):  # three backward passes, nothing taken between them
+        x = torch.randn(16, 256, 768, device=DEV, dtype=torch.bfloat16)
+        out, sink, fused = _tapped(ext, module, x, False, sink)
+        out.retain_grad()
+        (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
+        wants.append(fused.run(ext, x, out.grad, False))
+    got = sink.take()
+    assert len(got) == 3
+    for (h, _, s, _), (want_h, want_s) in zip(got, wants):
+        assert torch.equal(h, want_h) and torch.equal(s, want_s)
+
+
+def test_the_finish_holds_its_buffers_while_the_streams_memory_is_reused(ext):
+    torch.manual_seed(2)
+    module, x = _linear_tokens()
+    out, sink, fused = _tapped(ext, module, x, False)
+    out.retain_grad()
+    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
+    want_h, want_s = fused.run(ext, x, out.grad, False)
+    del out
+    # the allocator hands freed memory of this stream out again: NaN over as much of it as it
+    # gives, in the results blocks' size and smaller, before the take launches the finish
+    junk = [torch.full((n,), float("nan"), device=DEV) for n in [1 << 18] * 32 + [1 << 14] * 256]
+    del junk
+    ((h, _, s, _),) = sink.take()
+    assert torch.isfinite(h).all() and torch.isfinite(s).all()
+    assert torch.equal(h, want_h) and torch.equal(s, want_s)
