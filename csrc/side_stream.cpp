@@ -2,7 +2,6 @@
 // created on first use and kept for the process (an event may be recorded again as soon as
 // a wait on it has been enqueued: the wait captures the record that preceded it).
 #include "side_stream.h"
-
 #include "deferred_sums.h"
 #include "stream_buffers.h"
 
