@@ -118,16 +118,28 @@ constexpr int kPositionsInFlight = 4;
 // blockIdx.x; true (in every thread) in the one block that finished that column last,
 // which then sums the partials in a fixed order.  The counter is reset by that block, so
 // the slots stay zero between launches on one stream (see capture_launch.h).
+// One thread per block counts, after the barrier, with a device-scope acquire-release add:
+// its release half publishes every store the barrier ordered before it (the block's
+// partials, whichever thread wrote them: a release is cumulative), its acquire half gives
+// the last block the others' published partials (the barrier after it passes them on to
+// the block's threads).  This is cooperative groups' grid barrier's pattern; every thread
+// fencing (fence.sc.gpu) before the barrier did the same with 16 fences a block.
 __device__ bool finished_last(unsigned* counter, unsigned parts) {
   __shared__ bool last;
-  __threadfence();  // this block's partials are visible to the block that sums them
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1u) + 1u == parts;
+    unsigned before;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+#else
+    __threadfence();
+    before = atomicAdd(counter, 1u);
+    __threadfence();
+#endif
+    last = before + 1u == parts;
     if (last) *counter = 0u;
   }
   __syncthreads();
-  if (last) __threadfence();
   return last;
 }
 
