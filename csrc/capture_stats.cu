@@ -33,13 +33,23 @@ namespace {
 
 using namespace vector_io;
 
-// V consecutive elements at p (16-byte aligned when V > 1) into fp32.
+// V consecutive elements at p (16-byte aligned when V > 1) into fp32, the 16-byte packs
+// streamed (load_streaming16: every caller reads its tensor once).
 template <int V, typename T>
 __device__ __forceinline__ void load_vec(float (&dst)[V], const T* __restrict__ p) {
   if constexpr (V == 1) {
     dst[0] = to_float(p[0]);
   } else {
-    load_aligned<V>(dst, p);
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+    static_assert(V % kPer == 0, "V must be a whole number of 16-byte packs");
+#pragma unroll
+    for (int q = 0; q < V / kPer; ++q) {
+      const uint4 w = load_streaming16(p + q * kPer);
+      Pack16<T> pk;
+      memcpy(&pk, &w, sizeof(w));
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_float(pk.v[j]);
+    }
   }
 }
 
