@@ -59,21 +59,31 @@ def _tapped(ext, module, x, side, sink=None):
     return out, sink, fused
 
 
+def _backward(out):
+    """A backward from ``out`` and the gradient its tap was given.  (Not ``retain_grad``'s
+    ``out.grad``: that is a contiguous clone, and a channels_last gradient read in another
+    layout is summed in another order, so its sums differ in the last bits.)"""
+    seen = []
+    out.register_hook(seen.append)
+    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
+    (grad,) = seen
+    return grad
+
+
 @pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_taps_sums_taken_after_its_backward_equal_layer_stats_bit_for_bit(ext, name, side):
     torch.manual_seed(0)
     module, x = LAYERS[name]()
     out, sink, fused = _tapped(ext, module, x, side)
-    out.retain_grad()
-    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
+    grad = _backward(out)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         ext.capture_join()  # (the side stream's finish is launched here, the current stream's at the take)
         ((h, hn, s, sn),) = sink.take()
         torch.cuda.synchronize()
     finishes = [e for e in prof.events() if "finish_sums_kernel" in e.name]
     assert len(finishes) == 1, [e.name for e in prof.events()]  # one launch for the layer's deferred reads
-    want_h, want_s = fused.run(ext, x, out.grad, side)
+    want_h, want_s = fused.run(ext, x, grad, side)
     ext.capture_join()
     torch.cuda.synchronize()
     assert (hn, sn) == (fused.hn, fused.sn)
@@ -89,9 +99,8 @@ def test_micro_batches_leave_several_launches_to_one_finish(ext):
     for _ in range(3):  # three backward passes, nothing taken between them
         x = torch.randn(16, 256, 768, device=DEV, dtype=torch.bfloat16)
         out, sink, fused = _tapped(ext, module, x, False, sink)
-        out.retain_grad()
-        (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
-        wants.append(fused.run(ext, x, out.grad, False))
+        grad = _backward(out)
+        wants.append(fused.run(ext, x, grad, False))
     got = sink.take()
     assert len(got) == 3
     for (h, _, s, _), (want_h, want_s) in zip(got, wants):
@@ -102,9 +111,8 @@ def test_the_finish_holds_its_buffers_while_the_streams_memory_is_reused(ext):
     torch.manual_seed(2)
     module, x = _linear_tokens()
     out, sink, fused = _tapped(ext, module, x, False)
-    out.retain_grad()
-    (out.float() * torch.randn_like(out, dtype=torch.float32)).sum().backward()
-    want_h, want_s = fused.run(ext, x, out.grad, False)
+    grad = _backward(out)
+    want_h, want_s = fused.run(ext, x, grad, False)
     del out
     # the allocator hands freed memory of this stream out again: NaN over as much of it as it
     # gives, in the results blocks' size and smaller, before the take launches the finish
