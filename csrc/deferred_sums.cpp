@@ -4,7 +4,9 @@
 #include "checks.h"
 #include "stream_buffers.h"
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
 #include <mutex>
@@ -73,8 +75,22 @@ void finish_deferred_sums() {
                 "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
                 "taken while their stream is being captured into one; take them (the optimizer step) before the "
                 "capture begins");
+    // the stream that takes the sums (the caller's current one) waits for the finish where
+    // the backward ran on another: a wait the caller made after the backward (wait_stream)
+    // came before this launch, so it does not cover it
+    const cudaStream_t taker = c10::cuda::getCurrentCUDAStream(p.device).stream();
+    TORCH_CHECK(taker == p.stream || !stream_capturing(taker),
+                "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
+                "taken on a stream being captured into one; take them (the optimizer step) before the capture begins");
     check_launch(launch_finish_sums(p.items.data(), static_cast<int>(p.items.size()), p.stream),
                  "finish_deferred_sums: ");
+    if (taker != p.stream) {
+      cudaEvent_t done = nullptr;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(done, p.stream));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(taker, done, 0));
+      C10_CUDA_CHECK(cudaEventDestroy(done));  // (the wait enqueued holds what it needs)
+    }
   }
   // `work` drops the kept tensors here: their memory returns to the caching allocator of
   // the stream it was taken on, for work ordered after the finish launches made above

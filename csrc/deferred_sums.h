@@ -12,8 +12,9 @@
 // its finish writes or reads, held until that launch is made; finish_deferred_sums() makes
 // every stream's launch, on that stream.  capture_join() runs it before it orders the
 // current streams after the side streams, and so does a sink's take (capture_tap.h) before
-// it hands out any result: a tap's sums are read only after one of them.  Nothing is
-// deferred on a stream being captured into a CUDA graph.
+// it hands out any result: a tap's sums are read only after one of them.  Where the
+// caller's current stream is not the one a backward ran on, it is made to wait for that
+// stream's finish.  Nothing is deferred on a stream being captured into a CUDA graph.
 #pragma once
 
 #include "capture_launch.h"

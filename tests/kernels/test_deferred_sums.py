@@ -121,3 +121,25 @@ def test_the_finish_holds_its_buffers_while_the_streams_memory_is_reused(ext):
     ((h, _, s, _),) = sink.take()
     assert torch.isfinite(h).all() and torch.isfinite(s).all()
     assert torch.equal(h, want_h) and torch.equal(s, want_s)
+
+
+def test_a_take_on_another_stream_waits_for_the_finish(ext):
+    # The backward runs on its own stream, the caller joins it (wait_stream) and takes on the
+    # default stream: the finish is launched on the backward's stream after that join, behind
+    # a long sleep there, so the sums read on the default stream are right only if the take
+    # made it wait for the finish.
+    torch.manual_seed(3)
+    module, x = _linear_tokens()
+    work = torch.cuda.Stream()
+    work.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(work):
+        out, sink, fused = _tapped(ext, module, x, False)
+        grad = _backward(out)
+        want_h, want_s = fused.run(ext, x, grad, False)
+    torch.cuda.current_stream().wait_stream(work)
+    with torch.cuda.stream(work):
+        torch.cuda._sleep(200_000_000)  # (about 0.1 s: the finish waits behind it)
+    ((h, _, s, _),) = sink.take()
+    got_h, got_s = h.clone(), s.clone()  # (on the default stream)
+    torch.cuda.synchronize()
+    assert torch.equal(got_h, want_h) and torch.equal(got_s, want_s)
