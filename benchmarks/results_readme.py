@@ -29,10 +29,10 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DEFAULT_BENCH = REPO / "docs" / "results" / "bench-h200.json"
 #: a later matrix-only run (``python -m lightning_cafin.bench --matrix-only``); where it exists
 #: the matrix section is rendered from it, with its own provenance, the rest from the bench
-DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-45e49de.json"
+DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-0458b79.json"
 #: a second matrix run shown beside it (its values and verdicts in two more columns): the
 #: latest code's run where the goal machine was not to be had, or the run before a change
-DEFAULT_SECOND_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100-ecf1767.json"
+DEFAULT_SECOND_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-45e49de.json"
 DEFAULT_CONVERGENCE = REPO / "docs" / "results" / "convergence-h200" / "convergence.json"
 DEFAULT_MULTIGPU = REPO / "docs" / "results" / "multigpu-h200"
 
