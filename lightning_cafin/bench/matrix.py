@@ -64,7 +64,7 @@ from torch import nn
 
 from ..capture import streams as capture_streams
 from ..capture import taps as capture_taps
-from ..capture.stream_choice import TRIALS_PER_STREAM
+from ..capture.stream_choice import MAX_TRIALS_PER_STREAM
 from ..capture_options import CaptureOptions, StreamOption
 from .floor import statistics_floor
 from .goals import goal_rows
@@ -244,7 +244,7 @@ def choose_stream(t: Trainer) -> dict[str, Any]:
     time in ms, by stream."""
     chooser = t.opt.stream_chooser
     if t.device.type == "cuda":  # (elsewhere nothing is timed: the current stream, no choice)
-        for _ in range(2 * TRIALS_PER_STREAM + 4):  # (the first capture step, the trials, their events' completion)
+        for _ in range(2 * MAX_TRIALS_PER_STREAM + 4):  # (the first capture step, the trials, their events' completion)
             capture_step_on(t, "auto")
             sync(t.device)
             chooser.poll()

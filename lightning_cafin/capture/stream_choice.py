@@ -14,10 +14,23 @@ events: one recorded when the step's first hooked forward asks whether to captur
 after its optimizer step.  The span is the step as the device ran it, the time it waited
 for the host included.  Once ``TRIALS_PER_STREAM`` steps each way are timed and every
 event has completed (asked with ``Event.query``, never waited for: no host sync), the
-stream with the lower median is kept for the rest of the run.  A capture step skipped by
-the loss scaler is not counted.  Off the GPU, and while a CUDA graph is being captured,
-the current stream is used and nothing is timed.  The choice is not saved with the
-optimizer's state: a resumed run measures again.
+trials are compared in pairs (the i-th on each stream, taken one after the other, so a
+drift of the host's speed falls on both alike): a stream that was faster in at least
+three quarters of the pairs is kept for the rest of the run.  Where neither was, one more
+pair is timed, and so on up to ``MAX_TRIALS_PER_STREAM`` pairs, after which the median of
+the pairs' differences decides (a tie keeps the current stream, the one of less host
+work).  The two medians of four trials, compared alone, chose wrong on noisy hosts: of
+the 44 choices in the bench matrices kept in ``docs/results``, three took the stream that
+the 30 paired rounds after them found more than 1% slower (ResNet-50 on an H200 at 0458b79:
+the side stream, 1.019x the current one's capture step, from trials whose spread,
+29.7-36.0 ms, was wider than the difference; the GPT on an H100 at 64dd55c: the current
+stream, though the side stream was faster in three pairs of four and in the rounds).  By
+pairs, 38 of the 44 are decided at four pairs (the GPT's for the side stream), none
+against the rounds by more than 1%; the six others, the other two of those three among
+them, would have timed more.  A capture step skipped by the loss scaler is not counted.
+Off the GPU, and while a CUDA graph is being captured, the current stream is used and
+nothing is timed.  The choice is not saved with the optimizer's state: a resumed run
+measures again.
 """
 
 from __future__ import annotations
@@ -32,6 +45,24 @@ log = logging.getLogger(__name__)
 
 #: timed capture steps on each stream before choosing
 TRIALS_PER_STREAM = 4
+#: the most timed capture steps on each stream, where the pairs do not agree sooner
+MAX_TRIALS_PER_STREAM = 12
+
+
+def decide(side_ms: list[float], current_ms: list[float], final: bool) -> Optional[bool]:
+    """The stream from paired trials (``side_ms[i]`` beside ``current_ms[i]``): True (the side
+    stream) or False where one was faster in at least three quarters of the pairs (a tie
+    counts for the current stream); else, where ``final``, the sign of the pairs' median
+    difference (zero: the current stream), or None (time another pair)."""
+    pairs = list(zip(side_ms, current_ms))
+    side_wins = sum(s < c for s, c in pairs)
+    if 4 * side_wins >= 3 * len(pairs):
+        return True
+    if 4 * (len(pairs) - side_wins) >= 3 * len(pairs):
+        return False
+    if not final:
+        return None
+    return statistics.median(s - c for s, c in pairs) < 0
 
 
 def cuda_timing_event() -> Any:
@@ -43,12 +74,17 @@ class StreamChooser:
     """One optimizer's choice of stream for its capture statistics (see the module)."""
 
     def __init__(self, event: Callable[[], Any] = cuda_timing_event, trials: int = TRIALS_PER_STREAM,
-                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
+                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing,
+                 max_trials: int = MAX_TRIALS_PER_STREAM) -> None:
         """``event`` makes the clock's events, ``capturing`` tells whether a CUDA graph is
-        being captured now (both the CUDA ones unless a test stands in)."""
+        being captured now (both the CUDA ones unless a test stands in); ``trials`` and
+        ``max_trials``: the fewest and the most timed capture steps on each stream."""
         if trials < 1:
             raise ValueError(f"trials must be >= 1, got {trials}")
-        self._event, self._trials, self._capturing = event, trials, capturing
+        if max_trials < trials:
+            raise ValueError(f"max_trials must be >= trials ({trials}), got {max_trials}")
+        self._event, self._trials, self._max_trials, self._capturing = event, trials, max_trials, capturing
+        self._needed = trials  # trials each way to read before deciding (grows while undecided)
         self.choice: Optional[bool] = None  # True: the side stream; None: not chosen yet
         self.times: dict[bool, list[float]] = {True: [], False: []}  # ms per timed capture step, once read
         self._timed: list[tuple[bool, Any, Any]] = []  # (side, start, end) not read yet
@@ -66,8 +102,8 @@ class StreamChooser:
         if not on_cuda or not self._warm or self._capturing():
             return False
         taken = len(self._timed) + len(self.times[True]) + len(self.times[False])
-        if taken >= 2 * self._trials:
-            return False  # every trial is taken; their events are still running
+        if taken >= 2 * self._needed:
+            return False  # every trial needed so far is taken; their events are still running
         side = taken % 2 == 1  # current, side, current, ...: as many each way
         start = self._event()
         start.record()
@@ -104,10 +140,15 @@ class StreamChooser:
         while self._timed and self._timed[0][2].query():
             side, start, end = self._timed.pop(0)
             self.times[side].append(float(start.elapsed_time(end)))
-        if min(len(self.times[True]), len(self.times[False])) < self._trials:
+        n = min(len(self.times[True]), len(self.times[False]))
+        if n < self._needed:
             return
-        side_ms, current_ms = statistics.median(self.times[True]), statistics.median(self.times[False])
-        self.choice = side_ms < current_ms
+        side_ms, current_ms = self.times[True][:n], self.times[False][:n]
+        self.choice = decide(side_ms, current_ms, final=n >= self._max_trials)
+        if self.choice is None:
+            self._needed = n + 1
+            return
         log.info("capture_stream='auto': the %s stream (median capture step %.3f ms on the side stream, %.3f ms "
-                 "on the current one, %d steps each)", "side" if self.choice else "current", side_ms, current_ms,
-                 self._trials)
+                 "on the current one; the side stream faster in %d of %d pairs)", "side" if self.choice else "current",
+                 statistics.median(side_ms), statistics.median(current_ms),
+                 sum(s < c for s, c in zip(side_ms, current_ms)), n)

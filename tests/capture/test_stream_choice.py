@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_cafin.capture.stream_choice import StreamChooser
+from lightning_cafin.capture.stream_choice import StreamChooser, decide
 
 
 class Clock:
@@ -34,8 +34,8 @@ class Clock:
             return end.t - self.t
 
 
-def chooser(clock: Clock, trials: int = 2) -> StreamChooser:
-    return StreamChooser(event=clock.event, trials=trials, capturing=lambda: False)
+def chooser(clock: Clock, trials: int = 2, max_trials: int = 2) -> StreamChooser:
+    return StreamChooser(event=clock.event, trials=trials, capturing=lambda: False, max_trials=max_trials)
 
 
 def capture_step(c: StreamChooser, clock: Clock, ms_side: float, ms_current: float, asks: int = 3) -> bool:
@@ -123,3 +123,48 @@ def test_off_the_gpu_or_in_a_graph_capture_nothing_is_timed():
 def test_trials_must_be_positive():
     with pytest.raises(ValueError, match="trials must be >= 1, got 0"):
         StreamChooser(trials=0)
+    with pytest.raises(ValueError, match=r"max_trials must be >= trials \(4\), got 3"):
+        StreamChooser(trials=4, max_trials=3)
+
+
+@pytest.mark.parametrize("side, current, final, want", [
+    ([9, 9, 9, 11], [10, 10, 10, 10], False, True),  # three pairs of four
+    ([11, 11, 9, 11], [10, 10, 10, 10], False, False),
+    ([10, 10, 10, 10], [10, 10, 10, 10], False, False),  # ties count for the current stream
+    ([9, 9, 11, 11], [10, 10, 10, 10], False, None),  # two of four: time another pair
+    ([8, 8, 11, 11], [10, 10, 10, 10], True, True),  # at the most trials: the median difference, -0.5
+    ([9, 9, 12, 12], [10, 10, 10, 10], True, False),  # +0.5
+    ([9, 9, 11, 11], [10, 10, 10, 10], True, False),  # 0: the current stream
+])
+def test_the_pairs_decide(side, current, final, want):
+    assert decide(side, current, final) is want
+
+
+def test_the_rounds_of_the_h200_run_at_0458b79_time_more_pairs():
+    """ResNet-50's trials there (ms): the medians chose the side stream (30.47 < 31.02 ms),
+    which 30 paired rounds then found 1.019x the current stream's capture step; two pairs of
+    four are no choice."""
+    side, current = [29.66, 29.74, 31.19, 34.93], [30.2, 35.98, 31.1, 30.93]
+    assert decide(side, current, final=False) is None
+
+
+def test_undecided_pairs_time_more_until_they_agree_or_the_most_are_timed():
+    clock = Clock()
+    c = chooser(clock, trials=2, max_trials=5)
+    pairs = [(9.0, 10.0), (11.0, 10.0), (9.0, 10.0), (9.0, 10.0)]  # (side, current) per pair
+    capture_step(c, clock, 0.0, 0.0)  # untimed
+    for k, (ms_side, ms_current) in enumerate(pairs):
+        assert c.choice is None
+        assert capture_step(c, clock, ms_side, ms_current) is False
+        assert capture_step(c, clock, ms_side, ms_current) is True
+        assert c.choice is (None if k < 3 else True)  # 1 of 1... 2 of 3 pairs: more; 3 of 4: the side stream
+    assert c.times == {True: [9.0, 11.0, 9.0, 9.0], False: [10.0] * 4}
+    assert capture_step(c, clock, 9.0, 10.0) is True and clock.made == 16
+
+    clock = Clock()
+    c = chooser(clock, trials=2, max_trials=3)
+    capture_step(c, clock, 0.0, 0.0)
+    for ms_side in (9.0, 11.0, 10.5):  # side faster, slower, slower: the most pairs, median +0.5
+        capture_step(c, clock, ms_side, 10.0)
+        capture_step(c, clock, ms_side, 10.0)
+    assert c.choice is False and len(c.times[True]) == 3
