@@ -65,25 +65,32 @@ void finish_deferred_sums() {
   std::vector<Pending> work;
   {
     const std::lock_guard<std::mutex> lock(r.mu);
+    // Every stream checked before any work is taken out: a refusal leaves all of it pending
+    // (a caller that goes on takes the statistics later, none of them left unsummed).
+    for (const Pending& p : r.pending) {
+      const c10::cuda::CUDAGuard guard(p.device);
+      // (a launch now would only be recorded into the graph, and run at its replays)
+      TORCH_CHECK(!stream_capturing(p.stream),
+                  "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
+                  "taken while their stream is being captured into one; take them (the optimizer step) before the "
+                  "capture begins");
+      const cudaStream_t taker = c10::cuda::getCurrentCUDAStream(p.device).stream();
+      TORCH_CHECK(taker == p.stream || !stream_capturing(taker),
+                  "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
+                  "taken on a stream being captured into one; take them (the optimizer step) before the capture "
+                  "begins");
+    }
     work.swap(r.pending);
     r.any.store(false, std::memory_order_release);
   }
   for (const Pending& p : work) {
     const c10::cuda::CUDAGuard guard(p.device);
-    // (a launch now would only be recorded into the graph, and run at its replays)
-    TORCH_CHECK(!stream_capturing(p.stream),
-                "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
-                "taken while their stream is being captured into one; take them (the optimizer step) before the "
-                "capture begins");
+    check_launch(launch_finish_sums(p.items.data(), static_cast<int>(p.items.size()), p.stream),
+                 "finish_deferred_sums: ");
     // the stream that takes the sums (the caller's current one) waits for the finish where
     // the backward ran on another: a wait the caller made after the backward (wait_stream)
     // came before this launch, so it does not cover it
     const cudaStream_t taker = c10::cuda::getCurrentCUDAStream(p.device).stream();
-    TORCH_CHECK(taker == p.stream || !stream_capturing(taker),
-                "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
-                "taken on a stream being captured into one; take them (the optimizer step) before the capture begins");
-    check_launch(launch_finish_sums(p.items.data(), static_cast<int>(p.items.size()), p.stream),
-                 "finish_deferred_sums: ");
     if (taker != p.stream) {
       cudaEvent_t done = nullptr;
       C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
