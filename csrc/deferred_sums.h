@@ -34,7 +34,9 @@ void defer_sums(const at::Tensor& like, cudaStream_t stream, std::initializer_li
                 std::vector<at::Tensor> keep);
 
 // Launch every stream's deferred sums (one launch per stream, on it), then let go of what
-// they held.  Cheap when nothing is pending (one atomic read).
+// they held.  Cheap when nothing is pending (one atomic read).  Raises, leaving all of it
+// pending, where one of those streams or the caller's current one is being captured into
+// a CUDA graph (a launch there would run only at the graph's replays).
 void finish_deferred_sums();
 
 }  // namespace lightning_cafin
