@@ -33,23 +33,25 @@ namespace {
 
 using namespace vector_io;
 
-// V consecutive elements at p (16-byte aligned when V > 1) into fp32, the 16-byte packs
-// streamed (load_streaming16: every caller reads its tensor once).
+// The 16 bytes of a pack of T, loaded as one uint4, into fp32.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& w, float (&dst)[16 / sizeof(T)]) {
+  Pack16<T> pk;
+  static_assert(sizeof(pk) == sizeof(w), "a pack is 16 bytes");
+  memcpy(&pk, &w, sizeof(w));
+#pragma unroll
+  for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) dst[j] = to_float(pk.v[j]);
+}
+
+// V consecutive elements at p (16-byte aligned when V > 1: one 16-byte pack) into fp32,
+// the pack streamed (load_streaming16: every caller reads its tensor once).
 template <int V, typename T>
 __device__ __forceinline__ void load_vec(float (&dst)[V], const T* __restrict__ p) {
   if constexpr (V == 1) {
     dst[0] = to_float(p[0]);
   } else {
-    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
-    static_assert(V % kPer == 0, "V must be a whole number of 16-byte packs");
-#pragma unroll
-    for (int q = 0; q < V / kPer; ++q) {
-      const uint4 w = load_streaming16(p + q * kPer);
-      Pack16<T> pk;
-      memcpy(&pk, &w, sizeof(w));
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) dst[q * kPer + j] = to_float(pk.v[j]);
-    }
+    static_assert(V == 16 / sizeof(T), "V must be one element or one 16-byte pack");
+    unpack16<T>(load_streaming16(p), dst);
   }
 }
 
@@ -590,14 +592,6 @@ __global__ void __launch_bounds__(kCaptureBlock) channel_middle_kernel(ChannelAr
 // (kBlock and kUnroll are template arguments so that other shapes can be measured
 // against the defaults.)
 // ---------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ void unpack16(const uint4& w, float (&dst)[16 / sizeof(T)]) {
-  Pack16<T> pk;
-  static_assert(sizeof(pk) == sizeof(w), "a pack is 16 bytes");
-  memcpy(&pk, &w, sizeof(w));
-#pragma unroll
-  for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) dst[j] = to_float(pk.v[j]);
-}
 
 // The 16 bytes that start `shift` (0..15) bytes into lo:hi (lo at the lower address).
 // The word offset is a template argument: indexed at run time, the words took six
