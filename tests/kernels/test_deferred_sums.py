@@ -143,3 +143,26 @@ def test_a_take_on_another_stream_waits_for_the_finish(ext):
     got_h, got_s = h.clone(), s.clone()  # (on the default stream)
     torch.cuda.synchronize()
     assert torch.equal(got_h, want_h) and torch.equal(got_s, want_s)
+
+
+def test_a_take_under_a_graph_capture_raises_and_leaves_the_sums_for_a_later_take(ext):
+    # An eager backward leaves its sums deferred on the default stream; taking them on a
+    # stream being captured into a CUDA graph would record the finish into the graph only.
+    # The take refuses, naming the fix, and the sums stay pending: taken after the capture,
+    # they are the layer_stats of the backward.
+    torch.manual_seed(4)
+    module, x = _linear_tokens()
+    out, sink, fused = _tapped(ext, module, x, False)
+    grad = _backward(out)
+    want_h, want_s = fused.run(ext, x, grad, False)
+    graph, capturing = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    capturing.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capturing):
+        graph.capture_begin()
+        try:
+            with pytest.raises(RuntimeError, match="before the capture begins"):
+                sink.take()
+        finally:
+            graph.capture_end()
+    ((h, _, s, _),) = sink.take()
+    assert torch.equal(h, want_h) and torch.equal(s, want_s)
