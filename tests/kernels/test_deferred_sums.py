@@ -107,13 +107,20 @@ def test_micro_batches_leave_several_launches_to_one_finish(ext):
         assert torch.equal(h, want_h) and torch.equal(s, want_s)
 
 
-def test_the_finish_holds_its_buffers_while_the_streams_memory_is_reused(ext):
-    torch.manual_seed(2)
+def _tapped_tokens_backward(ext, seed):
+    """A bf16 token layer's tap on the current stream and its backward (the sums left to the
+    finish): its output, sink, and layer_stats' sums of the same input and gradient."""
+    torch.manual_seed(seed)
     module, x = _linear_tokens()
     out, sink, fused = _tapped(ext, module, x, False)
     grad = _backward(out)
     want_h, want_s = fused.run(ext, x, grad, False)
-    del out
+    return out, sink, want_h, want_s
+
+
+def test_the_finish_holds_its_buffers_while_the_streams_memory_is_reused(ext):
+    out, sink, want_h, want_s = _tapped_tokens_backward(ext, 2)
+    del out  # (the layer's input and gradient are gone too)
     # the allocator hands freed memory of this stream out again: NaN over as much of it as it
     # gives, in the results blocks' size and smaller, before the take launches the finish
     junk = [torch.full((n,), float("nan"), device=DEV) for n in [1 << 18] * 32 + [1 << 14] * 256]
@@ -150,11 +157,7 @@ def test_a_take_under_a_graph_capture_raises_and_leaves_the_sums_for_a_later_tak
     # stream being captured into a CUDA graph would record the finish into the graph only.
     # The take refuses, naming the fix, and the sums stay pending: taken after the capture,
     # they are the layer_stats of the backward.
-    torch.manual_seed(4)
-    module, x = _linear_tokens()
-    out, sink, fused = _tapped(ext, module, x, False)
-    grad = _backward(out)
-    want_h, want_s = fused.run(ext, x, grad, False)
+    _, sink, want_h, want_s = _tapped_tokens_backward(ext, 4)
     graph, capturing = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     capturing.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capturing):
