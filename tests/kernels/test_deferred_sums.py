@@ -153,11 +153,17 @@ def test_a_take_on_another_stream_waits_for_the_finish(ext):
 
 
 def test_a_take_under_a_graph_capture_raises_and_leaves_the_sums_for_a_later_take(ext):
-    # An eager backward leaves its sums deferred on the default stream; taking them on a
-    # stream being captured into a CUDA graph would record the finish into the graph only.
-    # The take refuses, naming the fix, and the sums stay pending: taken after the capture,
-    # they are the layer_stats of the backward.
-    _, sink, want_h, want_s = _tapped_tokens_backward(ext, 4)
+    # An eager backward leaves its sums deferred on its stream; taking them on a stream being
+    # captured into a CUDA graph would record the finish into the graph only.  The take
+    # refuses, naming the fix, and the sums stay pending: taken after the capture, they are
+    # the layer_stats of the backward.  (The backward runs on a stream of its own: asking
+    # whether the legacy default stream is capturing while another stream captures is itself
+    # an error that ends the capture.)
+    work = torch.cuda.Stream()
+    work.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(work):
+        _, sink, want_h, want_s = _tapped_tokens_backward(ext, 4)
+    torch.cuda.current_stream().wait_stream(work)
     graph, capturing = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     capturing.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capturing):
