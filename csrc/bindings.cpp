@@ -6,6 +6,7 @@
 #include "capture_launch.h"
 #include "capture_ops.h"
 #include "capture_tap.h"
+#include "deferred_norms.h"
 #include "factor_launch.h"
 #include "side_stream.h"
 
@@ -164,6 +165,10 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
           "Taps registered on a norm's backward node (mean_scale > 0): statistics from its saved means and "
           "its bias gradient, no pass over the activation or the gradient.")
       .def_property_readonly(
+          "deferred_norm_taps", [](const lightning_cafin::TapPlan& self) { return self.deferred_norm_taps.load(); },
+          "Norm taps whose statistics were left to the end of their backward, where one launch computes every "
+          "such norm's (the bias gradient read as the bias's .grad that this backward made).")
+      .def_property_readonly(
           "cast_taps", [](const lightning_cafin::TapPlan& self) { return self.cast_taps.load(); },
           "tap_read calls that found the layer's autocast copy of x saved for its backward: the copy is read "
           "there with the gradient, nothing in the forward.")
@@ -247,6 +252,11 @@ each True must be followed by capture_side_exit().)doc",
         R"doc(Whether the capture side stream used from now on is one of torch's high-priority
 streams (True) or a default-priority one (False, the default); returns the setting before.)doc",
         py::arg("high"));
+  m.def("capture_defer_norms", &lightning_cafin::set_defer_norms,
+        R"doc(Whether a norm tap may leave its statistics to the end of its backward, where one launch
+computes every such norm's (True, the default), or always launches in its hook (False); returns
+the setting before.  The same floats either way.)doc",
+        py::arg("on"));
   m.def("capture_join", &lightning_cafin::capture_join,
         "The current stream of every device with side-stream statistics waits for them.");
   m.def("capture_release", &lightning_cafin::capture_release,

@@ -355,20 +355,23 @@ cudaError_t launch_conv_input_stats_folded(const ConvInputArgs& a, at::ScalarTyp
                                            cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
-// A norm's statistics from what its backward already has (capture_tap.h's NormTap), one
-// launch into one buffer: h[t] = float(mean_scale) * sum_{a, r} means[(a * T + t) * R + r]
-// (a batch norm's per-channel means: A = R = 1; a layer norm's per-row means, dense,
-// summed over every dim but dim 1), and s[i] = bias_grad[i] as float32.
+// A norm's statistics from what its backward already has (capture_tap.h's NormTap), for
+// any number of norms in one launch (deferred_norms.h gathers a backward's): per item,
+// h[t] = float(mean_scale) * sum_{a, r} means[(a * T + t) * R + r] (a batch norm's
+// per-channel means: A = R = 1; a layer norm's per-row means, dense, summed over every dim
+// but dim 1), and s[i] = bias_grad[i] as float32.  Each item's dtypes are its own.
 // ---------------------------------------------------------------------------
-struct NormStatsArgs {
+struct NormItem {
   const void* means;
   const void* bias_grad;
+  float* h;
+  float* s;
   int64_t A, T, R, n_bias;
   float mean_scale;
+  at::ScalarType means_dtype, bias_dtype;  // float32, float16 or bfloat16
 };
 
-cudaError_t launch_norm_stats(const NormStatsArgs& a, at::ScalarType means_dtype, at::ScalarType bias_dtype,
-                              float* h, float* s, cudaStream_t stream);
+cudaError_t launch_norm_stats(const NormItem* items, int n, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // The capture step's factor update, every layer in one launch (one block per layer).

@@ -700,6 +700,72 @@ at::Tensor factor_update_(const std::vector<at::Tensor>& h, const std::vector<at
   return nan_flags;
 }
 
+namespace {
+
+// norm_stats' checks of one norm's inputs on a device the kernels read (see capture_ops.h).
+void check_norm_inputs(const at::Tensor& means, const at::Tensor& bias_grad) {
+  check_input(means, kNorm, "means");
+  check_input(bias_grad, kNorm, "bias_grad");
+  TORCH_CHECK(means.device() == bias_grad.device(), kNorm, "means and bias_grad must be on one device");
+  TORCH_CHECK(means.dim() == 1 || means.dim() >= 3, kNorm,
+              "means must be 1-D (a batch norm's) or have 3 or more dims (a layer norm's per row), got ",
+              num(static_cast<int64_t>(means.dim())), " dims");
+  TORCH_CHECK(bias_grad.dim() == 1, kNorm, "bias_grad must be 1-D, got ", num(static_cast<int64_t>(bias_grad.dim())),
+              " dims");
+}
+
+}  // namespace
+
+bool norm_stats_on_kernels(const at::Tensor& means, const at::Tensor& bias_grad) {
+  return means.is_cuda() && bias_grad.is_cuda() && means.device() == bias_grad.device() &&
+         is_kernel_float(means.scalar_type()) && is_kernel_float(bias_grad.scalar_type());
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> norm_stats_batch(const std::vector<NormInput>& norms) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  if (norms.empty()) return out;
+  for (const NormInput& n : norms) {
+    check_norm_inputs(n.means, n.bias_grad);
+    TORCH_CHECK(n.means.device() == norms[0].means.device(), kNorm, "every norm of one launch must be on one device");
+  }
+  const c10::NoGradGuard no_grad;
+  const c10::cuda::CUDAGuard guard(norms[0].means.device());
+  std::vector<at::Tensor> means, bias_grads;  // (contiguous: held until the launch is made)
+  std::vector<NormItem> items(norms.size());
+  std::vector<int64_t> offsets(norms.size());
+  int64_t total = 0;
+  for (size_t k = 0; k < norms.size(); ++k) {
+    means.push_back(norms[k].means.contiguous());
+    bias_grads.push_back(norms[k].bias_grad.contiguous());
+    const at::Tensor& m = means.back();
+    NormItem& a = items[k];
+    a.means = m.data_ptr();
+    a.bias_grad = bias_grads.back().data_ptr();
+    const bool per_channel = m.dim() == 1;
+    a.A = per_channel ? 1 : m.size(0);
+    a.T = per_channel ? m.size(0) : m.size(1);
+    a.R = (a.A == 0 || a.T == 0) ? 0 : m.numel() / (a.A * a.T);
+    a.n_bias = bias_grads.back().numel();
+    a.mean_scale = static_cast<float>(norms[k].mean_scale);
+    a.means_dtype = m.scalar_type();
+    a.bias_dtype = bias_grads.back().scalar_type();
+    offsets[k] = total;
+    total += aligned(a.T) + aligned(a.n_bias);
+  }
+  const at::Tensor buffer = result_floats(total, means[0]);  // [h | s] per norm, in turn
+  float* o = buffer.data_ptr<float>();
+  out.reserve(norms.size());
+  for (size_t k = 0; k < norms.size(); ++k) {
+    NormItem& a = items[k];
+    const int64_t off_s = offsets[k] + aligned(a.T);
+    a.h = o + offsets[k];
+    a.s = o + off_s;
+    out.emplace_back(part_of(buffer, offsets[k], a.T), part_of(buffer, off_s, a.n_bias));
+  }
+  check_launch(launch_norm_stats(items.data(), static_cast<int>(items.size()), current_stream(means[0])), kNorm);
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const at::Tensor& bias_grad_in,
                                               double mean_scale) {
   LIGHTNING_CAFIN_RECORD_OP("norm_stats");
@@ -707,32 +773,8 @@ std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means_in, const 
       (means_in.device().is_cpu() || !is_kernel_float(means_in.scalar_type()) ||
        !is_kernel_float(bias_grad_in.scalar_type())))
     return norm_stats_reference(means_in, bias_grad_in, mean_scale);
-  check_input(means_in, kNorm, "means");
-  check_input(bias_grad_in, kNorm, "bias_grad");
-  TORCH_CHECK(means_in.device() == bias_grad_in.device(), kNorm, "means and bias_grad must be on one device");
-  TORCH_CHECK(means_in.dim() == 1 || means_in.dim() >= 3, kNorm,
-              "means must be 1-D (a batch norm's) or have 3 or more dims (a layer norm's per row), got ",
-              num(static_cast<int64_t>(means_in.dim())), " dims");
-  TORCH_CHECK(bias_grad_in.dim() == 1, kNorm, "bias_grad must be 1-D, got ", num(static_cast<int64_t>(bias_grad_in.dim())),
-              " dims");
-  const c10::NoGradGuard no_grad;
-  const c10::cuda::CUDAGuard guard(means_in.device());
-  const at::Tensor means = means_in.contiguous(), bias_grad = bias_grad_in.contiguous();
-  NormStatsArgs a{};
-  a.means = means.data_ptr();
-  a.bias_grad = bias_grad.data_ptr();
-  const bool per_channel = means.dim() == 1;
-  a.A = per_channel ? 1 : means.size(0);
-  a.T = per_channel ? means.size(0) : means.size(1);
-  a.R = (a.A == 0 || a.T == 0) ? 0 : means.numel() / (a.A * a.T);
-  a.n_bias = bias_grad.numel();
-  a.mean_scale = static_cast<float>(mean_scale);
-  const int64_t off_s = aligned(a.T);
-  at::Tensor out = result_floats(off_s + a.n_bias, means);  // [h | s]
-  float* o = out.data_ptr<float>();
-  check_launch(launch_norm_stats(a, means.scalar_type(), bias_grad.scalar_type(), o, o + off_s, current_stream(means)),
-               kNorm);
-  return {part_of(out, 0, a.T), part_of(out, off_s, a.n_bias)};
+  auto hs = norm_stats_batch({NormInput{means_in, bias_grad_in, mean_scale}});
+  return {std::move(hs[0].first), std::move(hs[0].second)};
 }
 
 }  // namespace lightning_cafin

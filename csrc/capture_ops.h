@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace lightning_cafin {
@@ -62,6 +63,17 @@ std::tuple<at::Tensor, at::Tensor> layer_stats_reference(const at::Tensor& x, co
 std::tuple<at::Tensor, at::Tensor> norm_stats(const at::Tensor& means, const at::Tensor& bias_grad, double mean_scale);
 std::tuple<at::Tensor, at::Tensor> norm_stats_reference(const at::Tensor& means, const at::Tensor& bias_grad,
                                                         double mean_scale);
+// One norm's inputs to norm_stats_batch.
+struct NormInput {
+  at::Tensor means, bias_grad;
+  double mean_scale;
+};
+// norm_stats of every norm at once, on CUDA tensors of one device whose dtypes the kernels
+// read (norm_stats_on_kernels): one launch, the results cut from one buffer; the same
+// floats as norm_stats of each.
+std::vector<std::pair<at::Tensor, at::Tensor>> norm_stats_batch(const std::vector<NormInput>& norms);
+// Whether norm_stats of these reads them with the kernels (else norm_stats_reference).
+bool norm_stats_on_kernels(const at::Tensor& means, const at::Tensor& bias_grad);
 
 // The capture step's factor update for every layer at once (one launch per 56 layers).
 // Returns int32 [L]: 1 where the layer's statistics held a NaN (its factors untouched).

@@ -1297,29 +1297,50 @@ __global__ void __launch_bounds__(kCaptureBlock) factor_update_kernel(FactorList
   }
 }
 
-// One warp per entry of h (lanes stride over the A * R summed values), then one thread per
-// entry of s, in blocks after h's (capture_launch.h, NormStatsArgs).
-constexpr int kNormWarps = kCaptureBlock / 32;
+// A norm item's element i as float32, its dtype read per item (one launch holds items of
+// several dtypes: a bf16 model's bias gradients beside float32 means).
+__device__ __forceinline__ float load_as_float(const void* p, int64_t i, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf:
+      return to_float(static_cast<const c10::Half*>(p)[i]);
+    case at::kBFloat16:
+      return to_float(static_cast<const c10::BFloat16*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
 
-template <typename TM, typename TB>
-__global__ void __launch_bounds__(kCaptureBlock) norm_stats_kernel(NormStatsArgs a, int64_t h_blocks,
-                                                                   float* __restrict__ h, float* __restrict__ s) {
-  if (static_cast<int64_t>(blockIdx.x) < h_blocks) {
-    const int64_t t = static_cast<int64_t>(blockIdx.x) * kNormWarps + threadIdx.x / 32;
+// Per norm item, one warp per entry of h (lanes stride over the A * R summed values), then
+// one thread per entry of s, in blocks after h's (capture_launch.h, NormItem): its units
+// are norm_h_blocks + blocks_for(n_bias).
+constexpr int kNormWarps = kCaptureBlock / 32;
+constexpr int kNormMaxItems = 128;
+using NormList = LaunchList<NormItem, kNormMaxItems, /*kRanged=*/true>;
+static_assert(sizeof(NormList) <= kParamBytesLarge, "norm_stats_kernel's list exceeds the kernel-parameter budget");
+
+__host__ __device__ __forceinline__ int64_t norm_h_blocks(const NormItem& a) {
+  return (a.T + kNormWarps - 1) / kNormWarps;
+}
+
+__global__ void __launch_bounds__(kCaptureBlock) norm_stats_kernel(const __grid_constant__ NormList list) {
+  const UnitOf u = unit_of_block(list, static_cast<int32_t>(blockIdx.x));
+  const NormItem& a = list.item[u.slot];
+  const int64_t h_blocks = norm_h_blocks(a);
+  if (u.unit < h_blocks) {
+    const int64_t t = static_cast<int64_t>(u.unit) * kNormWarps + threadIdx.x / 32;
     if (t >= a.T) return;  // (whole warps)
-    const TM* m = static_cast<const TM*>(a.means);
     const int64_t n = a.A * a.R;
     float acc = 0.f;
     for (int64_t i = threadIdx.x % 32; i < n; i += 32) {
       const int64_t row = i / a.R;
-      acc += to_float(m[(row * a.T + t) * a.R + (i - row * a.R)]);
+      acc += load_as_float(a.means, (row * a.T + t) * a.R + (i - row * a.R), a.means_dtype);
     }
     acc = warp_sum(acc);
-    if (threadIdx.x % 32 == 0) h[t] = __fmul_rn(acc, a.mean_scale);
+    if (threadIdx.x % 32 == 0) a.h[t] = __fmul_rn(acc, a.mean_scale);
     return;
   }
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) - h_blocks) * kCaptureBlock + threadIdx.x;
-  if (i < a.n_bias) s[i] = to_float(static_cast<const TB*>(a.bias_grad)[i]);
+  const int64_t i = (static_cast<int64_t>(u.unit) - h_blocks) * kCaptureBlock + threadIdx.x;
+  if (i < a.n_bias) a.s[i] = load_as_float(a.bias_grad, i, a.bias_dtype);
 }
 
 // ---------------------------------------------------------------------------
@@ -1974,18 +1995,11 @@ cudaError_t launch_factor_update(const FactorItem* items, int n, float c_old, fl
   });
 }
 
-cudaError_t launch_norm_stats(const NormStatsArgs& a, at::ScalarType means_dtype, at::ScalarType bias_dtype, float* h,
-                              float* s, cudaStream_t stream) {
-  const int64_t h_blocks = (a.T + kNormWarps - 1) / kNormWarps;
-  const int64_t blocks = h_blocks + (a.n_bias + kCaptureBlock - 1) / kCaptureBlock;
-  if (blocks == 0) return cudaSuccess;
-  return dispatch_float_dtype(means_dtype, [&](auto* m_tag) -> cudaError_t {
-    return dispatch_float_dtype(bias_dtype, [&](auto* b_tag) -> cudaError_t {
-      using TM = std::remove_pointer_t<decltype(m_tag)>;
-      using TB = std::remove_pointer_t<decltype(b_tag)>;
-      norm_stats_kernel<TM, TB><<<static_cast<unsigned>(blocks), kCaptureBlock, 0, stream>>>(a, h_blocks, h, s);
-      return cudaGetLastError();
-    });
+cudaError_t launch_norm_stats(const NormItem* items, int n, cudaStream_t stream) {
+  auto units = [](const NormItem& a) { return norm_h_blocks(a) + static_cast<int64_t>(blocks_for(a.n_bias)); };
+  return launch_items<NormList>(items, static_cast<size_t>(n), units, [&](const NormList& list, int blocks) {
+    norm_stats_kernel<<<static_cast<unsigned>(blocks), kCaptureBlock, 0, stream>>>(list);
+    return cudaGetLastError();
   });
 }
 

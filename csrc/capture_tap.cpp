@@ -3,6 +3,7 @@
 
 #include "capture_ops.h"
 #include "checks.h"
+#include "deferred_norms.h"
 #include "deferred_sums.h"
 #include "record_op.h"
 
@@ -113,8 +114,10 @@ at::Tensor saved_means(const NodePtr& node) {
 struct NormTap final : torch::autograd::FunctionPostHook {
   std::shared_ptr<const TapPlan> plan;
   at::Tensor means;  // released when the hook fires
+  torch::autograd::Node* node;  // the node this hook is on (which calls it, so is alive then)
 
-  NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m) : plan(std::move(p)), means(std::move(m)) {}
+  NormTap(std::shared_ptr<const TapPlan> p, at::Tensor m, torch::autograd::Node* n)
+      : plan(std::move(p)), means(std::move(m)), node(n) {}
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grad_inputs,
                                             const torch::autograd::variable_list& grad_outputs) override {
@@ -123,8 +126,10 @@ struct NormTap final : torch::autograd::FunctionPostHook {
     const at::Tensor bias_grad = grad_inputs.size() >= 3 ? grad_inputs[2] : at::Tensor();
     const at::Tensor grad = grad_outputs.empty() ? at::Tensor() : grad_outputs[0];
     if (!bias_grad.defined() && !grad.defined()) return grad_inputs;
-    const at::Tensor m = std::move(means);
+    at::Tensor m = std::move(means);
     means = at::Tensor();
+    // (asked before grad mode is turned off here: a backward with create_graph is not deferred)
+    if (bias_grad.defined() && defer_norm(plan, *node, m, bias_grad)) return grad_inputs;
     const TapPlan& p = *plan;
     at::NoGradGuard no_grad;  // a backward with create_graph=True records nothing of this
     // h from the means, s the bias gradient copied (not bias.grad itself), in one launch;
@@ -153,7 +158,7 @@ bool tap_norm(const std::shared_ptr<const TapPlan>& plan, const at::Tensor& outp
   const bool per_channel = means.dim() == 1 && means.size(0) == output.size(1);
   const bool per_row = means.dim() == output.dim() && means.dim() >= 3 && means.size(1) == output.size(1);
   if (!per_channel && !per_row) return false;
-  node->add_post_hook(std::make_unique<NormTap>(plan, std::move(means)));
+  node->add_post_hook(std::make_unique<NormTap>(plan, std::move(means), node.get()));
   plan->norm_taps.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

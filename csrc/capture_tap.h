@@ -27,7 +27,9 @@
 // (autograd.grad, or backward(inputs=...), without the bias) s is summed from the node's
 // output gradient instead, as the ordinary tap sums it.  That hook belongs to this one
 // call of the norm (a node per forward), so two forwards before one backward add two
-// pairs, as the tensor hooks do.
+// pairs, as the tensor hooks do.  Where its bias gradient becomes the bias's .grad untouched,
+// the hook only notes the call, and the end of the backward computes every such norm's
+// statistics in one launch (deferred_norms.h).
 // Where the output is not such a node's (SyncBatchNorm, GroupNorm, RMSNorm, a norm whose
 // bias is frozen or absent), tap() registers the ordinary tap.
 #pragma once
@@ -106,9 +108,10 @@ struct TapPlan {
   bool grad_square;
   // > 0: a norm's plan, h from its saved means * mean_scale (see above); 0: none
   double mean_scale;
-  // taps registered on a norm's backward node, and tap_read calls that found the layer's
+  // taps registered on a norm's backward node, those of them whose statistics were left to
+  // the end of their backward (deferred_norms.h), and tap_read calls that found the layer's
   // autocast copy of x (for tests and diagnostics)
-  mutable std::atomic<int64_t> norm_taps{0}, cast_taps{0};
+  mutable std::atomic<int64_t> norm_taps{0}, deferred_norm_taps{0}, cast_taps{0};
 
   TapPlan(std::shared_ptr<TapSink> sink, std::vector<int64_t> input_op, double input_div, int64_t grad_dim,
           bool grad_square, double grad_div, double hn, double sn, double mean_scale = 0.0);

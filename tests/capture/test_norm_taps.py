@@ -85,8 +85,13 @@ def train(model, taps_on, steps=3, micro_batches=1, channels_last=False):
     return opt
 
 
-def norm_taps(opt, name):
-    return sum(plan.norm_taps for plan in opt.binding.captures[name].tap_plans.values() if plan is not None)
+def norm_taps(opt, name, counter="norm_taps"):
+    return sum(getattr(plan, counter) for plan in opt.binding.captures[name].tap_plans.values() if plan is not None)
+
+
+def deferred(opt, name):
+    """The norm's taps whose statistics were left to the end of their backward (csrc/deferred_norms.h)."""
+    return norm_taps(opt, name, "deferred_norm_taps")
 
 
 def assert_same_factors(got, want):
@@ -131,7 +136,9 @@ def test_norms_take_the_saved_means_and_the_bias_gradient(on_cpu, micro_batches,
     ref = train(copy.deepcopy(model), False, steps=1, micro_batches=micro_batches, channels_last=channels_last)
     got = train(model, True, steps=1, micro_batches=micro_batches, channels_last=channels_last)
     for name in SHORTCUT:
-        assert norm_taps(got, name) == micro_batches, name
+        # the first micro-batch's left to the end of the backward; a later one's bias gradient
+        # is added into .grad, so it is read in the hook
+        assert norm_taps(got, name) == micro_batches and deferred(got, name) == 1, name
     for name in ORDINARY:  # the ordinary tap
         assert norm_taps(got, name) == 0 and got.binding.captures[name].sink is not None, name
     assert_same_factors(got, ref)  # (a norm's two-entry H, min-max normalised, hardly depends on h's scale: below)
@@ -160,8 +167,9 @@ def test_two_forwards_before_one_backward_add_two_pairs(on_cpu):  # noqa: F811
     def backwards(m):
         (nn.functional.cross_entropy(m(a), y) + nn.functional.cross_entropy(m(b), y)).backward()
 
-    sums, _ = sums_both_ways(Norms(), backwards, names=("bn2",))
+    sums, opt = sums_both_ways(Norms(), backwards, names=("bn2",))
     assert_same_sums(sums, 2)
+    assert deferred(opt, "bn2") == 0  # (one bias gradient for both calls: each is read in its hook)
 
 
 def test_a_retained_graph_adds_nothing_and_the_sums_are_not_the_bias_gradient(on_cpu):  # noqa: F811
@@ -326,3 +334,82 @@ def test_under_saved_tensor_hooks_a_cast_layer_norm_is_read_in_the_forward(layer
     sums, opt = sums_both_ways(Bf16Stream(), backwards, names=("ln",))
     assert norm_taps(opt, "ln") == 0 and not unpacked_in_forward
     assert_same_sums(sums, 1)
+
+
+# ---------------------------------------------------------------- deferred to the backward's end
+
+
+def test_deferred_and_immediate_norm_taps_give_the_same_sums(on_cpu, ext):  # noqa: F811
+    torch.manual_seed(0)
+    (x, y), = batches(1)
+    model = Norms()
+    got = {}
+    for defer in (True, False):
+        previous = ext.capture_defer_norms(defer)
+        try:
+            with taps.using(True):
+                m = copy.deepcopy(model)
+                opt = AdaFisher(m, TCov=1, backend="foreach")
+                nn.functional.cross_entropy(m(x), y).backward()
+        finally:
+            ext.capture_defer_norms(previous)
+        got[defer] = {n: (p.h.clone(), p.s.clone()) for n in SHORTCUT for p in [opt.binding.captures[n].pending]}
+        assert [deferred(opt, n) for n in SHORTCUT] == [1 if defer else 0] * len(SHORTCUT)
+    for name in SHORTCUT:
+        assert torch.equal(got[True][name][0], got[False][name][0]), name
+        assert torch.equal(got[True][name][1], got[False][name][1]), name
+
+
+@pytest.mark.parametrize("elsewhere", ["the bias in the loss", "a post-accumulate hook", "a tensor hook on the bias",
+                                       ".grad already set"])
+def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu, elsewhere):  # noqa: F811
+    """Where the bias's .grad at the backward's end would not be this call's bias gradient
+    (another use of the bias adds to it, a hook may change it, or it is accumulated into an
+    existing .grad), the tap reads the gradient in its hook: the sums are the Python hooks'
+    (the norm's output gradient summed), whatever the hook then does to .grad."""
+    torch.manual_seed(0)
+    (x, y), = batches(1)
+
+    def backwards(m):
+        bias = m.bn2.bias
+        extra = 0.0
+        if elsewhere == "the bias in the loss":
+            extra = 0.5 * bias.square().sum()
+        elif elsewhere == "a post-accumulate hook":
+            def triple(p):
+                p.grad.mul_(3.0)
+
+            bias.register_post_accumulate_grad_hook(triple)
+        elif elsewhere == "a tensor hook on the bias":
+            bias.register_hook(lambda g: g * 3.0)
+        else:
+            bias.grad = torch.randn_like(bias)
+        (nn.functional.cross_entropy(m(x), y) + extra).backward()
+
+    sums, opt = sums_both_ways(Norms(), backwards)
+    assert_same_sums(sums, 1)
+    assert deferred(opt, "bn2") == 0 and deferred(opt, "bn3") == 1
+
+
+def test_a_backward_that_fails_adds_none_of_its_deferred_norms(on_cpu):  # noqa: F811
+    """No final callback runs after an error: the deferred calls add nothing (as taps that
+    never fired), leave nothing behind, and the next backward's are taken as usual."""
+    torch.manual_seed(0)
+    model = Norms()
+    taps.set_enabled(True)
+    opt = AdaFisher(model, TCov=1, backend="foreach")
+    (x, y), = batches(1)
+    x.requires_grad_(True)
+
+    def fail(_):
+        raise RuntimeError("a hook at the end of the backward failed")
+
+    handle = x.register_hook(fail)  # (the input's gradient: after every layer's)
+    with pytest.raises(RuntimeError, match="a hook at the end of the backward failed"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.remove()
+    assert [opt.binding.captures[n].pending.calls for n in SHORTCUT] == [0] * len(SHORTCUT)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert [opt.binding.captures[n].pending.calls for n in SHORTCUT] == [1] * len(SHORTCUT)
+    assert [deferred(opt, n) for n in SHORTCUT] == [2] * len(SHORTCUT)
