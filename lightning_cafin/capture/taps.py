@@ -15,7 +15,10 @@ The tap of a training batch norm, or of a layer norm on an input of 3 or more di
 no statistics op: its plan registers a post hook on the norm's backward node, which takes
 the input's sums from the means the norm saved and the gradient's from the bias gradient
 the node returns (``csrc/capture_tap.h``); neither the activation nor the gradient is read
-again.
+again.  In a plain ``backward()`` the hook only notes the call where the bias's ``.grad``
+will hold exactly its gradient, and autograd's final callback computes every such norm's
+statistics in one launch (``csrc/deferred_norms.h``); :func:`deferred_norms` turns that off
+for an A/B.
 
 Taken only where the rule describes the statistics as that one call (a ``FusedStats`` for
 the shapes) on tensors the kernels take.  Where the input must be read in the forward (a
@@ -43,9 +46,10 @@ the config object is slow to read per layer), the capture hooks register Python 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import ModuleType
-from typing import ContextManager
+from typing import ContextManager, Iterator
 
 from .streams import EnvSwitch
 from .tap_gate import settings_changed
@@ -68,6 +72,22 @@ def enabled() -> bool:
 def using(on: bool) -> ContextManager[None]:
     """Taps on or off inside a ``with`` block; the previous setting is restored after it."""
     return _switch.using(on)
+
+
+@contextlib.contextmanager
+def deferred_norms(on: bool) -> Iterator[None]:
+    """Inside: a norm tap leaves its statistics to the end of its backward where it can (True,
+    the extension's default: one launch for all of them) or launches in its hook (False: the
+    comparison of ``scripts/capture_variants.py``), the previous setting restored after it.
+    The statistics are the same floats either way.  Loads the extension."""
+    from ..kernels.loader import load_extension
+
+    ext = load_extension()
+    previous = ext.capture_defer_norms(bool(on))
+    try:
+        yield
+    finally:
+        ext.capture_defer_norms(previous)
 
 
 def available(ext: ModuleType) -> bool:

@@ -345,14 +345,11 @@ def test_deferred_and_immediate_norm_taps_give_the_same_sums(on_cpu, ext):  # no
     model = Norms()
     got = {}
     for defer in (True, False):
-        previous = ext.capture_defer_norms(defer)
-        try:
-            with taps.using(True):
-                m = copy.deepcopy(model)
-                opt = AdaFisher(m, TCov=1, backend="foreach")
-                nn.functional.cross_entropy(m(x), y).backward()
-        finally:
-            ext.capture_defer_norms(previous)
+        with taps.using(True), taps.deferred_norms(defer):
+            m = copy.deepcopy(model)
+            opt = AdaFisher(m, TCov=1, backend="foreach")
+            nn.functional.cross_entropy(m(x), y).backward()
+        assert ext.capture_defer_norms(True) is True  # (restored after the block: the default)
         got[defer] = {n: (p.h.clone(), p.s.clone()) for n in SHORTCUT for p in [opt.binding.captures[n].pending]}
         assert [deferred(opt, n) for n in SHORTCUT] == [1 if defer else 0] * len(SHORTCUT)
     for name in SHORTCUT:
@@ -361,14 +358,16 @@ def test_deferred_and_immediate_norm_taps_give_the_same_sums(on_cpu, ext):  # no
 
 
 @pytest.mark.parametrize("elsewhere", ["the bias in the loss", "a post-accumulate hook", "a tensor hook on the bias",
-                                       ".grad already set"])
+                                       ".grad already set", "its accumulator held"])
 def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu, elsewhere):  # noqa: F811
     """Where the bias's .grad at the backward's end would not be this call's bias gradient
     (another use of the bias adds to it, a hook may change it, or it is accumulated into an
-    existing .grad), the tap reads the gradient in its hook: the sums are the Python hooks'
-    (the norm's output gradient summed), whatever the hook then does to .grad."""
+    existing .grad, or something else holds its accumulator), the tap reads the gradient in
+    its hook: the sums are the Python hooks' (the norm's output gradient summed), whatever
+    the hook then does to .grad."""
     torch.manual_seed(0)
     (x, y), = batches(1)
+    held = []
 
     def backwards(m):
         bias = m.bn2.bias
@@ -382,8 +381,10 @@ def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu,
             bias.register_post_accumulate_grad_hook(triple)
         elif elsewhere == "a tensor hook on the bias":
             bias.register_hook(lambda g: g * 3.0)
-        else:
+        elif elsewhere == ".grad already set":
             bias.grad = torch.randn_like(bias)
+        else:  # (as a reducer holds every parameter's: DDP's reducer does)
+            held.append(bias.view_as(bias).grad_fn.next_functions[0][0])
         (nn.functional.cross_entropy(m(x), y) + extra).backward()
 
     sums, opt = sums_both_ways(Norms(), backwards)
