@@ -36,8 +36,10 @@ def test_a_capture_step_adds_at_most_the_statistics_launches_of_its_layers(name,
     assert counted["added"] <= counted["budget"], (
         f"{name}: a capture step adds {counted['added']:.1f} device operations, more than the {counted['budget']} its "
         f"layers {counted['layers']} allow; per step, by operation:\n{listing}")
-    layers = sum(counted["layers"].values())
-    assert layers >= 2 and counted["added"] >= layers, f"{name}: no statistics launched?\n{listing}"
+    # a launch of its own for every other layer, one for all the norms of a backward (deferred_norms.h)
+    layers, norms = sum(counted["layers"].values()), counted["layers"].get("norm", 0)
+    least = layers - norms + (1 if norms else 0)
+    assert layers >= 2 and counted["added"] >= least, f"{name}: no statistics launched?\n{listing}"
 
 
 def test_capture_launches_counts_per_step_with_the_budget_of_the_layers(fused_ok):
