@@ -16,9 +16,10 @@ machine without a GPU never builds it for capture.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -94,3 +95,18 @@ def ext_for(*tensors: Tensor) -> Optional[ModuleType]:
         if not t.is_cuda or t.dtype not in KERNEL_DTYPES:
             return None
     return _extension()
+
+
+@contextlib.contextmanager
+def extension_setting(setter: str, value: bool) -> Iterator[None]:
+    """Inside: one of the extension's process-wide switches (``setter``: its function that
+    takes the new value and returns the one before) at ``value``, the previous value
+    restored after it.  Loads the extension (building it if needed)."""
+    from ..kernels.loader import load_extension
+
+    set_value = getattr(load_extension(), setter)
+    previous = set_value(bool(value))
+    try:
+        yield
+    finally:
+        set_value(previous)

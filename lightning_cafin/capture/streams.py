@@ -278,20 +278,12 @@ def beside(*reads: Tensor) -> ContextManager[None]:
     return _Beside(ext, list(reads))
 
 
-@contextlib.contextmanager
-def side_priority(high: bool) -> Iterator[None]:
+def side_priority(high: bool) -> ContextManager[None]:
     """Inside: the side stream is one of torch's high-priority streams (True: the bench's
     comparison; the block scheduler starts its kernels' blocks before pending ones of the
     default-priority current stream) or a default-priority one (False: the extension's
     default), the previous priority restored after it.  Loads the extension."""
-    from ..kernels.loader import load_extension
-
-    ext = load_extension()
-    previous = ext.capture_side_high_priority(bool(high))
-    try:
-        yield
-    finally:
-        ext.capture_side_high_priority(previous)
+    return _kernels.extension_setting("capture_side_high_priority", high)
 
 
 def join() -> None:

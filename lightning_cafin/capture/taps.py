@@ -46,11 +46,11 @@ the config object is slow to read per layer), the capture hooks register Python 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from types import ModuleType
-from typing import ContextManager, Iterator
+from typing import ContextManager
 
+from .kernels import extension_setting
 from .streams import EnvSwitch
 from .tap_gate import settings_changed
 
@@ -74,20 +74,12 @@ def using(on: bool) -> ContextManager[None]:
     return _switch.using(on)
 
 
-@contextlib.contextmanager
-def deferred_norms(on: bool) -> Iterator[None]:
+def deferred_norms(on: bool) -> ContextManager[None]:
     """Inside: a norm tap leaves its statistics to the end of its backward where it can (True,
     the extension's default: one launch for all of them) or launches in its hook (False: the
     comparison of ``scripts/capture_variants.py``), the previous setting restored after it.
     The statistics are the same floats either way.  Loads the extension."""
-    from ..kernels.loader import load_extension
-
-    ext = load_extension()
-    previous = ext.capture_defer_norms(bool(on))
-    try:
-        yield
-    finally:
-        ext.capture_defer_norms(previous)
+    return extension_setting("capture_defer_norms", on)
 
 
 def available(ext: ModuleType) -> bool:
