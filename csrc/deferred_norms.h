@@ -14,7 +14,10 @@
 // Autograd's final callbacks run there, on the caller's current streams, after they waited
 // for every gradient (torch's "final_callbacks may use any grad on its device's current
 // stream"), before backward() returns: before anything (gradient clipping, loss-scale
-// unscaling, an optimizer step) can change .grad.
+// unscaling, an optimizer step) can change .grad.  (Only a final callback queued earlier
+// in the same backward runs before it; one that changed a plain leaf's .grad in place would
+// be seen.  Neither torch, Lightning nor DDP queues such a one, and DDP's reducer keeps its
+// norms in their hooks anyway: it holds their accumulators.)
 //
 // A call is deferred only where .grad at the end is exactly this call's bias gradient:
 // - the backward is a plain backward() (no create_graph; no inputs= nor autograd.grad: every
