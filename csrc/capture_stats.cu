@@ -1602,7 +1602,6 @@ cudaError_t launch_rows(const RowsPair& pair, RowsRead read, cudaStream_t stream
 }  // namespace
 
 cudaError_t launch_finish_sums(const FinishItem* items, int n, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
   const auto tiles = [](const FinishItem& f) -> int64_t { return f.tiles; };
   return launch_items<FinishList>(items, static_cast<size_t>(n), tiles, [&](const FinishList& list, int blocks) {
     finish_sums_kernel<<<static_cast<unsigned>(blocks), kRowsBlock, 0, stream>>>(list);

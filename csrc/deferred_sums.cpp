@@ -63,34 +63,34 @@ void finish_deferred_sums() {
   Registry& r = registry();
   if (!r.any.load(std::memory_order_acquire)) return;
   std::vector<Pending> work;
+  std::vector<cudaStream_t> takers;  // the caller's current stream on each one's device
   {
     const std::lock_guard<std::mutex> lock(r.mu);
     // Every stream checked before any work is taken out: a refusal leaves all of it pending
     // (a caller that goes on takes the statistics later, none of them left unsummed).
+    // (a launch now would only be recorded into the graph, and run at its replays)
+    const char* refused =
+        "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are taken ";
+    const char* fix = "; take them (the optimizer step) before the capture begins";
     for (const Pending& p : r.pending) {
       const c10::cuda::CUDAGuard guard(p.device);
-      // (a launch now would only be recorded into the graph, and run at its replays)
-      TORCH_CHECK(!stream_capturing(p.stream),
-                  "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
-                  "taken while their stream is being captured into one; take them (the optimizer step) before the "
-                  "capture begins");
-      const cudaStream_t taker = c10::cuda::getCurrentCUDAStream(p.device).stream();
-      TORCH_CHECK(taker == p.stream || !stream_capturing(taker),
-                  "finish_deferred_sums: the gradient taps' statistics of a backward run outside a CUDA graph are "
-                  "taken on a stream being captured into one; take them (the optimizer step) before the capture "
-                  "begins");
+      TORCH_CHECK(!stream_capturing(p.stream), refused, "while their stream is being captured into one", fix);
+      takers.push_back(c10::cuda::getCurrentCUDAStream(p.device).stream());
+      TORCH_CHECK(takers.back() == p.stream || !stream_capturing(takers.back()), refused,
+                  "on a stream being captured into one", fix);
     }
     work.swap(r.pending);
     r.any.store(false, std::memory_order_release);
   }
-  for (const Pending& p : work) {
+  for (size_t k = 0; k < work.size(); ++k) {
+    const Pending& p = work[k];
     const c10::cuda::CUDAGuard guard(p.device);
     check_launch(launch_finish_sums(p.items.data(), static_cast<int>(p.items.size()), p.stream),
                  "finish_deferred_sums: ");
     // the stream that takes the sums (the caller's current one) waits for the finish where
     // the backward ran on another: a wait the caller made after the backward (wait_stream)
     // came before this launch, so it does not cover it
-    const cudaStream_t taker = c10::cuda::getCurrentCUDAStream(p.device).stream();
+    const cudaStream_t taker = takers[k];
     if (taker != p.stream) {
       cudaEvent_t done = nullptr;
       C10_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
