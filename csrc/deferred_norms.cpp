@@ -24,13 +24,12 @@ namespace {
 
 namespace ag = torch::autograd;
 
-// One deferred call: its plan, the means its norm saved, and the bias whose .grad holds
-// its gradient at the end of the backward (a leaf: held for that long, as autograd's edge
-// holds its AccumulateGrad node).  `stream`: the CUDA stream its backward ran on.
+// One deferred call: its plan, the means its norm saved, and its bias gradient's memory
+// (same_memory: held without a reference to the gradient tensor itself).  `stream`: the
+// CUDA stream its backward ran on.
 struct DeferredNorm {
   std::shared_ptr<const TapPlan> plan;
-  at::Tensor means, bias;
-  int64_t n_bias;
+  at::Tensor means, bias_grad;
   cudaStream_t stream;
 };
 
@@ -57,22 +56,29 @@ OpenBackwards& open_backwards() {
   return *o;
 }
 
-// The bias's AccumulateGrad node where this node's edge is the only way to it and nothing
-// can change what it accumulates before the end of the backward (deferred_norms.h); null else.
-ag::AccumulateGrad* sole_accumulator(ag::Node& node) {
-  if (node.num_outputs() < 3) return nullptr;
+// Whether this node's bias gradient reaches the bias's AccumulateGrad unchanged and is
+// then only read until the end of the backward (deferred_norms.h).
+bool sole_accumulator(ag::Node& node) {
+  if (node.num_outputs() < 3) return false;
   const ag::Edge& edge = node.next_edge(2);
-  if (!edge.is_valid() || edge.function.use_count() != 1) return nullptr;
+  if (!edge.is_valid() || edge.function.use_count() != 1) return false;
   auto* acc = dynamic_cast<ag::AccumulateGrad*>(edge.function.get());
-  if (acc == nullptr || !acc->variable.defined() || acc->variable.grad().defined()) return nullptr;
-  if (!acc->pre_hooks().empty() || !acc->tensor_pre_hooks().empty() || !acc->post_hooks().empty() ||
-      !acc->retains_grad_hooks().empty() || ag::impl::post_acc_grad_hooks(acc->variable) != nullptr) {
-    return nullptr;
-  }
-  return acc;
+  if (acc == nullptr || !acc->variable.defined()) return false;
+  return acc->pre_hooks().empty() && acc->tensor_pre_hooks().empty() && acc->post_hooks().empty() &&
+         acc->retains_grad_hooks().empty() && ag::impl::post_acc_grad_hooks(acc->variable) == nullptr;
 }
 
-// The end of a backward: each deferred call's (h, s) from the means and the bias's .grad,
+// A tensor on t's memory, with its sizes and strides, but a TensorImpl of its own: it keeps
+// the memory alive without adding to t's use count, which AccumulateGrad reads to decide
+// whether it may make t the .grad itself or must copy it.
+at::Tensor same_memory(const at::Tensor& t) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  impl->set_storage_offset(t.storage_offset());
+  impl->set_sizes_and_strides(t.sizes(), t.strides());
+  return at::Tensor(std::move(impl));
+}
+
+// The end of a backward: each deferred call's (h, s) from its means and bias gradient,
 // one launch per device, added to the sinks in the order the calls were deferred.
 void finish(Backward& b) {
   std::vector<DeferredNorm> norms;
@@ -80,33 +86,21 @@ void finish(Backward& b) {
     const std::lock_guard<std::mutex> lock(b.mu);
     norms.swap(b.norms);
   }
-  std::vector<at::Tensor> grads(norms.size());
   std::vector<std::pair<at::Tensor, at::Tensor>> results(norms.size());
   std::map<c10::DeviceIndex, std::vector<size_t>> on_kernels;  // device -> its calls
   for (size_t k = 0; k < norms.size(); ++k) {
     const DeferredNorm& d = norms[k];
-    const at::Tensor g = d.bias.grad();
-    if (!g.defined() || g.layout() != at::kStrided || g.dim() != 1 || g.numel() != d.n_bias ||
-        g.device() != d.means.device()) {
-      // (nothing this module could see changed it: a hook of the module, a final callback
-      // queued before this one; the call's statistics are left out, never guessed)
-      TORCH_WARN_ONCE("lightning_cafin: a norm's bias gradient was not where its backward left it at the end of "
-                      "the backward (something set or replaced .grad during the backward); that call's capture "
-                      "statistics are left out");
-      continue;
-    }
-    grads[k] = g;
-    if (norm_stats_on_kernels(d.means, g)) {
+    if (norm_stats_on_kernels(d.means, d.bias_grad)) {
       on_kernels[d.means.device().index()].push_back(k);
     } else {
-      auto [h, s] = norm_stats(d.means, g, d.plan->mean_scale);
+      auto [h, s] = norm_stats(d.means, d.bias_grad, d.plan->mean_scale);
       results[k] = {std::move(h), std::move(s)};
     }
   }
   for (const auto& [device, calls] : on_kernels) {
     std::vector<NormInput> inputs;
     inputs.reserve(calls.size());
-    for (size_t k : calls) inputs.push_back({norms[k].means, grads[k], norms[k].plan->mean_scale});
+    for (size_t k : calls) inputs.push_back({norms[k].means, norms[k].bias_grad, norms[k].plan->mean_scale});
     auto hs = norm_stats_batch(inputs);
     const cudaStream_t now = c10::cuda::getCurrentCUDAStream(device).stream();
     for (size_t i = 0; i < calls.size(); ++i) {
@@ -117,7 +111,7 @@ void finish(Backward& b) {
         // before this stream is past the read (as the allocator does for any tensor)
         const c10::cuda::CUDAStream here = c10::cuda::getCurrentCUDAStream(device);
         c10::cuda::CUDACachingAllocator::recordStream(norms[k].means.storage().data_ptr(), here);
-        c10::cuda::CUDACachingAllocator::recordStream(grads[k].storage().data_ptr(), here);
+        c10::cuda::CUDACachingAllocator::recordStream(norms[k].bias_grad.storage().data_ptr(), here);
       }
     }
   }
@@ -158,9 +152,10 @@ bool defer_norm(const std::shared_ptr<const TapPlan>& plan, ag::Node& node, at::
   const auto* exec_info = ag::get_current_graph_task_exec_info();
   const int task = ag::get_current_graph_task_id();
   if (exec_info == nullptr || !exec_info->empty() || task < 0) return false;
-  ag::AccumulateGrad* acc = sole_accumulator(node);
-  if (acc == nullptr || bias_grad.layout() != at::kStrided || bias_grad.dim() != 1 ||
-      acc->variable.device() != bias_grad.device() || means.device() != bias_grad.device()) {
+  // (a plain strided tensor with memory of its own: not a wrapper subclass such as DTensor)
+  if (bias_grad.layout() != at::kStrided || bias_grad.dim() != 1 || !bias_grad.has_storage() ||
+      bias_grad.key_set().has(c10::DispatchKey::Python) || means.device() != bias_grad.device() ||
+      !sole_accumulator(node)) {
     return false;
   }
   cudaStream_t stream = nullptr;
@@ -171,7 +166,7 @@ bool defer_norm(const std::shared_ptr<const TapPlan>& plan, ag::Node& node, at::
   const std::shared_ptr<Backward> b = backward_of_current_task(task);
   {
     const std::lock_guard<std::mutex> lock(b->mu);
-    b->norms.push_back({plan, std::move(means), acc->variable, bias_grad.numel(), stream});
+    b->norms.push_back({plan, std::move(means), same_memory(bias_grad), stream});
   }
   plan->deferred_norm_taps.fetch_add(1, std::memory_order_relaxed);
   return true;

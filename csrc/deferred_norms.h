@@ -7,26 +7,29 @@
 // kernel launch on the host (on a slow host about 10 us before the package's own work,
 // where a capture step is host-bound) and a kernel of about 1.6 us on the device.
 //
-// Why the end of the backward: the tap needs the bias gradient of this call.  Holding the
-// node's gradient tensor past the hook would make AccumulateGrad clone it (a launch and an
-// allocation instead of the one saved); where nothing else can reach it, AccumulateGrad
-// makes it the bias's .grad instead, and that is what the end of the backward reads.
-// Autograd's final callbacks run there, on the caller's current streams, after they waited
-// for every gradient (torch's "final_callbacks may use any grad on its device's current
-// stream"), before backward() returns: before anything (gradient clipping, loss-scale
-// unscaling, an optimizer step) can change .grad.  (Only a final callback queued earlier
-// in the same backward runs before it; one that changed a plain leaf's .grad in place would
-// be seen.  Neither torch, Lightning nor DDP queues such a one, and DDP's reducer keeps its
-// norms in their hooks anyway: it holds their accumulators.)
+// Why the end of the backward: the tap needs this call's bias gradient, which its backward
+// node hands on to the bias's AccumulateGrad.  Holding that tensor past the hook would make
+// AccumulateGrad copy it (a launch and an allocation instead of the one saved: it takes the
+// tensor itself as .grad only while nothing else references it), so the hook keeps its
+// memory alone, through a tensor of its own on the same storage.  Autograd's final callbacks
+// run at the end, on the caller's current streams, after they waited for every gradient
+// (torch's "final_callbacks may use any grad on its device's current stream"), before
+// backward() returns.  The memory is read there whatever became of .grad meanwhile: FSDP2's
+// post-backward, for one, moves the unsharded gradients into its reduce-scatter and drops
+// them from .grad during the backward or in a final callback queued before this one.
 //
-// A call is deferred only where .grad at the end is exactly this call's bias gradient:
+// A call is deferred only where that memory holds this call's bias gradient, unchanged, at
+// the end:
 // - the backward is a plain backward() (no create_graph; no inputs= nor autograd.grad: every
 //   AccumulateGrad runs), inside an autograd graph task, not being captured into a CUDA graph;
+// - the gradient is a plain strided tensor (not a wrapper subclass such as DTensor);
 // - the bias is a leaf whose AccumulateGrad node is reached by this node's edge alone (its
-//   use count is 1: no second call of the norm, no other use of the bias in the loss, no
-//   reducer holding it as DDP's does), with no hook on it (tensor, pre, post, retains_grad,
-//   post-accumulate: a hook could change .grad in place), and no .grad yet (else
-//   AccumulateGrad adds this gradient into it: micro-batches after the first).
+//   use count is 1: no second call of the norm, no other use of the bias in the loss, whose
+//   gradient autograd would add into this one in place; no reducer holding it as DDP's
+//   does), with no hook on it (tensor, pre, post, retains_grad, post-accumulate: a hook may
+//   change the gradient or .grad in place).
+// Where .grad is already set (micro-batches after the first), AccumulateGrad adds this
+// gradient into it and leaves the gradient's own memory as it was: deferred as well.
 // Otherwise the tap launches now, as before.  A backward that fails before its end runs no
 // final callback: its deferred norms add nothing (as a tap that never fired), and the
 // step reports those layers as not fired.

@@ -136,9 +136,9 @@ def test_norms_take_the_saved_means_and_the_bias_gradient(on_cpu, micro_batches,
     ref = train(copy.deepcopy(model), False, steps=1, micro_batches=micro_batches, channels_last=channels_last)
     got = train(model, True, steps=1, micro_batches=micro_batches, channels_last=channels_last)
     for name in SHORTCUT:
-        # the first micro-batch's left to the end of the backward; a later one's bias gradient
-        # is added into .grad, so it is read in the hook
-        assert norm_taps(got, name) == micro_batches and deferred(got, name) == 1, name
+        # every micro-batch's left to the end of its backward (a later one's bias gradient is
+        # added into .grad; its own memory is what the end reads)
+        assert norm_taps(got, name) == micro_batches == deferred(got, name), name
     for name in ORDINARY:  # the ordinary tap
         assert norm_taps(got, name) == 0 and got.binding.captures[name].sink is not None, name
     assert_same_factors(got, ref)  # (a norm's two-entry H, min-max normalised, hardly depends on h's scale: below)
@@ -358,11 +358,11 @@ def test_deferred_and_immediate_norm_taps_give_the_same_sums(on_cpu, ext):  # no
 
 
 @pytest.mark.parametrize("elsewhere", ["the bias in the loss", "a post-accumulate hook", "a tensor hook on the bias",
-                                       ".grad already set", "its accumulator held"])
+                                       "its accumulator held"])
 def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu, elsewhere):  # noqa: F811
     """Where the bias's .grad at the backward's end would not be this call's bias gradient
-    (another use of the bias adds to it, a hook may change it, or it is accumulated into an
-    existing .grad, or something else holds its accumulator), the tap reads the gradient in
+    (another use of the bias adds to it, a hook may change it, or something else holds its
+    accumulator), the tap reads the gradient in
     its hook: the sums are the Python hooks' (the norm's output gradient summed), whatever
     the hook then does to .grad."""
     torch.manual_seed(0)
@@ -381,8 +381,6 @@ def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu,
             bias.register_post_accumulate_grad_hook(triple)
         elif elsewhere == "a tensor hook on the bias":
             bias.register_hook(lambda g: g * 3.0)
-        elif elsewhere == ".grad already set":
-            bias.grad = torch.randn_like(bias)
         else:  # (as a reducer holds every parameter's: DDP's reducer does)
             held.append(bias.view_as(bias).grad_fn.next_functions[0][0])
         (nn.functional.cross_entropy(m(x), y) + extra).backward()
@@ -390,6 +388,39 @@ def test_a_bias_gradient_that_is_not_the_norms_alone_is_read_in_the_hook(on_cpu,
     sums, opt = sums_both_ways(Norms(), backwards)
     assert_same_sums(sums, 1)
     assert deferred(opt, "bn2") == 0 and deferred(opt, "bn3") == 1
+
+
+@pytest.mark.parametrize("meanwhile", [".grad already set", ".grad moved away by an earlier final callback"])
+def test_a_deferred_norm_reads_its_own_gradient_whatever_becomes_of_grad(on_cpu, meanwhile):  # noqa: F811
+    """The end of the backward reads the call's bias gradient itself, not .grad: a gradient
+    added into an existing .grad, or one that a final callback queued before the norms' moves
+    out of .grad (as FSDP2's post-backward does with the unsharded gradients), gives the
+    Python hooks' sums, deferred."""
+    torch.manual_seed(0)
+    (x, y), = batches(1)
+    moved = {}
+
+    def backwards(m):
+        bias = m.bn2.bias
+        if meanwhile == ".grad already set":
+            bias.grad = torch.randn_like(bias)
+            out = m(x)
+        else:
+            def move_grads():
+                moved["bn2"] = bias.grad
+                bias.grad = None
+
+            out = m(x)
+            # (a hook on the output's gradient runs first in the backward: its callback is queued first)
+            out.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(move_grads))
+        nn.functional.cross_entropy(out, y).backward()
+        moved["left in .grad"] = bias.grad
+
+    sums, opt = sums_both_ways(Norms(), backwards)
+    assert_same_sums(sums, 1)
+    assert deferred(opt, "bn2") == 1 and deferred(opt, "bn3") == 1
+    if "bn2" in moved:  # (the callback did run before the norms' end)
+        assert moved["left in .grad"] is None and moved["bn2"] is not None
 
 
 def test_a_backward_that_fails_adds_none_of_its_deferred_norms(on_cpu):  # noqa: F811
