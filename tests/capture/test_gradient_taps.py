@@ -75,6 +75,14 @@ def on_cpu(ext, monkeypatch, tap_setting):
     """The capture path sees the extension for float32 CPU tensors (layer_stats' CPU reference,
     the taps), with the factor update's stand-in; counts the ops the Python hooks call."""
     calls: list[str] = []
+    monkeypatch.setattr(ck, "ext_for", cpu_ext_for(ext, calls))
+    return calls
+
+
+def cpu_ext_for(ext, calls: list[str]):
+    """A stand-in for ``capture.kernels.ext_for`` that gives float32 CPU tensors the
+    extension's layer_stats and taps (each layer_stats call noted in ``calls``) and the
+    factor update's stand-in (also used by spawned processes, where no fixture reaches)."""
 
     def layer_stats(*args):
         calls.append("layer_stats")
@@ -83,8 +91,7 @@ def on_cpu(ext, monkeypatch, tap_setting):
     stand_in = types.SimpleNamespace(layer_stats=layer_stats, TapPlan=ext.TapPlan, TapSink=ext.TapSink,
                                      channel_stats=fake_channel_stats, conv_input_stats=fake_conv_input_stats,
                                      factor_update_=fake_factor_update_, autocast_copy=ext.autocast_copy)
-    monkeypatch.setattr(ck, "ext_for", lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None)
-    return calls
+    return lambda *t: stand_in if all(v.dtype == torch.float32 for v in t) else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
