@@ -11,6 +11,14 @@ from lightning_cafin.kernels import loader, toolchain, wheel_toolkit
 from .fakes import fake_cuda_home, hide_system_toolkit, torch_built_for
 
 
+@pytest.fixture(scope="module")
+def ext(fused_ok):
+    """The loaded extension, for the GPU tests (skipped, saying why, where the fused step cannot run)."""
+    from lightning_cafin.kernels import load_extension
+
+    return load_extension()
+
+
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """A private build cache and a fresh load attempt; the process's own attempt is back afterwards."""

@@ -25,13 +25,6 @@ pytestmark = [
 DEV = "cuda"
 
 
-@pytest.fixture(scope="module")
-def ext(fused_ok):
-    from lightning_cafin.kernels import load_extension
-
-    return load_extension()
-
-
 class Mixed(nn.Module):
     """A channels_last convolution and batch norm under bf16 autocast, a layer norm on
     (batch, tokens, features), and a batch norm whose parameters are bf16 (its bias

@@ -23,13 +23,6 @@ pytestmark = [
 DEV = "cuda"
 
 
-@pytest.fixture(scope="module")
-def ext(fused_ok):
-    from lightning_cafin.kernels import load_extension
-
-    return load_extension()
-
-
 def _linear_tokens():
     """A GPT MLP's first layer in bf16 on 16 x 256 tokens: 768 -> 3072 channels, many splits."""
     return nn.Linear(768, 3072).to(DEV, torch.bfloat16), torch.randn(16, 256, 768, device=DEV, dtype=torch.bfloat16)

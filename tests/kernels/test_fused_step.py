@@ -32,13 +32,6 @@ FP32_RTOL = 1e-6
 LOWP_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
-@pytest.fixture(scope="module")
-def ext(fused_ok):
-    from lightning_cafin.kernels import load_extension
-
-    return load_extension()
-
-
 @pytest.fixture
 def oracle():
     from lightning_cafin.backends.reference import ReferenceBackend

@@ -24,13 +24,6 @@ RTOL = 1e-5
 BLOCK_FLOATS = 1 << 18  # stream_buffers.cpp's kBlockFloats
 
 
-@pytest.fixture(scope="module")
-def ext(fused_ok):
-    from lightning_cafin.kernels import load_extension
-
-    return load_extension()
-
-
 def close(got, want):
     want = want.double().cpu()
     err = ((got.double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
