@@ -167,7 +167,7 @@ sums.  Made once per layer and shapes; each tap is then one call of three argume
       .def_property_readonly(
           "deferred_norm_taps", [](const lightning_cafin::TapPlan& self) { return self.deferred_norm_taps.load(); },
           "Norm taps whose statistics were left to the end of their backward, where one launch computes every "
-          "such norm's (the bias gradient read as the bias's .grad that this backward made).")
+          "such norm's (from the bias gradient this backward computed, whatever became of .grad).")
       .def_property_readonly(
           "cast_taps", [](const lightning_cafin::TapPlan& self) { return self.cast_taps.load(); },
           "tap_read calls that found the layer's autocast copy of x saved for its backward: the copy is read "
