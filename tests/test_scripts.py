@@ -156,8 +156,9 @@ def test_gpu_ab_refuses_a_missing_or_stale_patch_and_restores_the_checkout_after
 
 def test_gpu_side_study_runs_the_tests_the_variants_per_workload_and_step_gaps_per_process(tmp_path):
     """``gpu_side_study.sh`` with a stand-in python3 that logs its arguments: the build, the
-    side stream's tests, ``capture_variants.py`` per workload, ``step_gaps.py`` once per fresh
-    process, four logs under $OUT and their lines printed last."""
+    side stream's tests, ``capture_variants.py`` per workload (per CUDA_DEVICE_MAX_CONNECTIONS
+    value of SIDE_CONNECTIONS, its lines marked with it), ``step_gaps.py`` once per fresh
+    process, four logs under $OUT and their lines printed last (a warning's line not)."""
     tree = tmp_path / "tree"
     (tree / "scripts").mkdir(parents=True)
     for name in ("gpu_side_study.sh", "gpu_env.sh"):
@@ -167,25 +168,34 @@ def test_gpu_side_study_runs_the_tests_the_variants_per_workload_and_step_gaps_p
     python = bin_dir / "python3"
     python.write_text(
         "#!/bin/sh\n"
-        f'echo "$*" >> {tmp_path / "calls.txt"}\n'
+        f'echo "$* (${{CUDA_DEVICE_MAX_CONNECTIONS:-unset}})" >> {tmp_path / "calls.txt"}\n'
         'case "$*" in\n'
         '  *pytest*) echo "4 passed" ;;\n'
-        '  *capture_variants*) echo "$3: normal 1 ms" ;;\n'
+        '  *capture_variants*) echo "warning: a warning"; echo "$3: a model; 16 rounds: normal 1 ms" ;;\n'
         '  *step_gaps*) echo "workload resnet18"; echo "  side - normal  0.5" ;;\n'
         "esac\n")
     python.chmod(0o755)
-    done = subprocess.run(["bash", str(tree / "scripts" / "gpu_side_study.sh")], cwd=tmp_path, capture_output=True,
-                          text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
-                                          "SIDE_WORKLOADS": "resnet50 gpt", "SIDE_PROCESSES": "2"})
-    assert done.returncode == 0, done.stderr
-    calls = (tmp_path / "calls.txt").read_text().splitlines()
-    assert calls[0] == "-m lightning_cafin.kernels.loader --build"
+
+    def run(out: str, **env: str) -> tuple[list[str], list[str]]:
+        (tmp_path / "calls.txt").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(tree / "scripts" / "gpu_side_study.sh")], cwd=tmp_path, capture_output=True,
+                              text=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / out),
+                                              "SIDE_WORKLOADS": "resnet50 gpt", **env})
+        assert done.returncode == 0, done.stderr
+        return (tmp_path / "calls.txt").read_text().splitlines(), done.stdout.splitlines()
+
+    variants = ["scripts/capture_variants.py --workload resnet50 --steps 16", "scripts/capture_variants.py --workload gpt --steps 16"]
+    lines = ["resnet50: a model; 16 rounds: normal 1 ms", "gpt: a model; 16 rounds: normal 1 ms"]
+    calls, printed = run("out", SIDE_PROCESSES="2")
+    assert calls[0] == "-m lightning_cafin.kernels.loader --build (unset)"
     assert calls[1].startswith("-m pytest") and "-m cuda tests/capture/test_hooks.py -k side_stream" in calls[1]
-    assert calls[2:] == ["scripts/capture_variants.py --workload resnet50 --steps 16",
-                         "scripts/capture_variants.py --workload gpt --steps 16",
-                         "scripts/step_gaps.py --workload resnet18", "scripts/step_gaps.py --workload resnet18"]
-    assert done.stdout.splitlines() == ["side-stream tests rc=0: 4 passed", "resnet50: normal 1 ms", "gpt: normal 1 ms",
-                                        "=== process 1", "  side - normal  0.5", "=== process 2",
-                                        "  side - normal  0.5"]
+    assert calls[2:] == [f"{v} (unset)" for v in variants] + ["scripts/step_gaps.py --workload resnet18 (unset)"] * 2
+    assert printed == ["side-stream tests rc=0: 4 passed", *lines, "=== process 1", "  side - normal  0.5",
+                       "=== process 2", "  side - normal  0.5"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["build.log", "gaps.log", "side_tests.log",
                                                                      "variants.log"]
+    # each connections value its own processes, its lines marked with it ("default": the machine's setting)
+    calls, printed = run("out2", SIDE_PROCESSES="0", SIDE_CONNECTIONS="default 32")
+    assert calls[2:] == [f"{v} (unset)" for v in variants] + [f"{v} (32)" for v in variants]
+    assert printed[1:] == lines + [f"connections 32: {line}" for line in lines]
+
