@@ -1,8 +1,8 @@
 """Norm taps left to the end of their backward (``csrc/deferred_norms.h``, GPU only).
 
 A plain backward's batch norms and layer norms get their statistics in one launch at the
-backward's end, from the saved means and the biases' .grad: the same floats as the launch
-in each norm's hook (``capture_defer_norms(False)``), for a bf16 channels_last batch norm
+backward's end, from the saved means and each call's own bias gradient: the same floats as
+the launch in each norm's hook (``taps.deferred_norms(False)``), for a bf16 channels_last batch norm
 under autocast, a layer norm on tokens and a norm with bf16 parameters in one launch; one
 launch where the hooks made one each; and right where the backward runs on another stream
 than the forward.  Inputs are fresh and random (never zeros).
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_cafin import AdaFisher
+from lightning_cafin.capture import taps
 
 pytestmark = [
     pytest.mark.cuda,
@@ -62,31 +63,28 @@ def _batch(seed):
     return x, torch.randint(0, 10, (16,), device=DEV, generator=gen)
 
 
-def _sums(ext, model, defer, backward=None):
+def _sums(model, defer, backward=None):
     """Each norm's pending (calls, h, s, deferred taps) after one backward, with the taps'
     statistics deferred or not."""
-    previous = ext.capture_defer_norms(defer)
-    try:
+    with taps.deferred_norms(defer):
         m = copy.deepcopy(model)
         opt = AdaFisher(m, TCov=1)
         x, y = _batch(1)
         loss = nn.functional.cross_entropy(m(x), y)
         (backward or torch.Tensor.backward)(loss)
         torch.cuda.synchronize()
-    finally:
-        ext.capture_defer_norms(previous)
     out = {}
     for name in NORMS:
         cap = opt.binding.captures[name]
         p = cap.pending
-        taps = sum(plan.deferred_norm_taps for plan in cap.tap_plans.values() if plan is not None)
-        out[name] = (p.calls, p.h.clone(), p.s.clone(), taps)
+        deferred = sum(plan.deferred_norm_taps for plan in cap.tap_plans.values() if plan is not None)
+        out[name] = (p.calls, p.h.clone(), p.s.clone(), deferred)
     return out
 
 
 def test_deferred_norms_equal_the_hooks_launches_bit_for_bit(ext):
     model = _model()
-    now, later = _sums(ext, model, False), _sums(ext, model, True)
+    now, later = _sums(model, False), _sums(model, True)
     for name in NORMS:
         calls, h, s, taps = later[name]
         assert calls == now[name][0] == 1 and taps == 1 and now[name][3] == 0, name
@@ -95,9 +93,8 @@ def test_deferred_norms_equal_the_hooks_launches_bit_for_bit(ext):
         assert torch.equal(s, now[name][2]), name
 
 
-def _norm_launches(ext, model, defer):
-    previous = ext.capture_defer_norms(defer)
-    try:
+def _norm_launches(model, defer):
+    with taps.deferred_norms(defer):
         m = copy.deepcopy(model)
         AdaFisher(m, TCov=1)
         x, y = _batch(2)
@@ -105,21 +102,19 @@ def _norm_launches(ext, model, defer):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             loss.backward()
             torch.cuda.synchronize()
-    finally:
-        ext.capture_defer_norms(previous)
     return sum(1 for e in prof.events() if "norm_stats_kernel" in e.name)
 
 
 def test_a_backwards_deferred_norms_take_one_launch(ext):
     model = _model()
-    assert _norm_launches(ext, model, False) == len(NORMS)
-    assert _norm_launches(ext, model, True) == 1
+    assert _norm_launches(model, False) == len(NORMS)
+    assert _norm_launches(model, True) == 1
 
 
 def test_a_backward_on_another_stream_than_the_forward_reads_the_same_sums(ext):
     # the forward on the default stream, the backward called on another: autograd runs each
     # node on its forward's stream, the end of the backward on the caller's (made to wait for
-    # the gradients), so the deferred launch reads the means and .grad made on the first
+    # the gradients), so the deferred launch reads the means and bias gradients made on the first
     model = _model()
     work = torch.cuda.Stream()
 
@@ -130,7 +125,7 @@ def test_a_backward_on_another_stream_than_the_forward_reads_the_same_sums(ext):
             loss.backward()
         torch.cuda.current_stream().wait_stream(work)
 
-    now, later = _sums(ext, model, False), _sums(ext, model, True, elsewhere)
+    now, later = _sums(model, False), _sums(model, True, elsewhere)
     for name in NORMS:
         assert later[name][3] == 1, name
         assert torch.equal(later[name][1], now[name][1]), name
