@@ -101,21 +101,19 @@ void finish(Backward& b) {
     inputs.reserve(calls.size());
     for (size_t k : calls) inputs.push_back({norms[k].means, norms[k].bias_grad, norms[k].plan->mean_scale});
     auto hs = norm_stats_batch(inputs);
-    const cudaStream_t now = c10::cuda::getCurrentCUDAStream(device).stream();
+    const c10::cuda::CUDAStream here = c10::cuda::getCurrentCUDAStream(device);
     for (size_t i = 0; i < calls.size(); ++i) {
       const size_t k = calls[i];
       results[k] = std::move(hs[i]);
-      if (norms[k].stream != now) {
+      if (norms[k].stream != here.stream()) {
         // read on this stream, made on the backward's: their memory is not reused there
         // before this stream is past the read (as the allocator does for any tensor)
-        const c10::cuda::CUDAStream here = c10::cuda::getCurrentCUDAStream(device);
         c10::cuda::CUDACachingAllocator::recordStream(norms[k].means.storage().data_ptr(), here);
         c10::cuda::CUDACachingAllocator::recordStream(norms[k].bias_grad.storage().data_ptr(), here);
       }
     }
   }
   for (size_t k = 0; k < norms.size(); ++k) {
-    if (!results[k].first.defined()) continue;
     const TapPlan& p = *norms[k].plan;
     p.sink->add({std::move(results[k].first), p.hn, std::move(results[k].second), p.sn});
   }
