@@ -32,7 +32,7 @@ DEFAULT_BENCH = REPO / "docs" / "results" / "bench-h200.json"
 DEFAULT_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-0458b79.json"
 #: a second matrix run shown beside it (its values and verdicts in two more columns): the
 #: latest code's run where the goal machine was not to be had, or the run before a change
-DEFAULT_SECOND_MATRIX = REPO / "docs" / "results" / "bench-matrix-h200-45e49de.json"
+DEFAULT_SECOND_MATRIX = REPO / "docs" / "results" / "bench-matrix-h100-385ef91.json"
 DEFAULT_CONVERGENCE = REPO / "docs" / "results" / "convergence-h200" / "convergence.json"
 DEFAULT_MULTIGPU = REPO / "docs" / "results" / "multigpu-h200"
 
