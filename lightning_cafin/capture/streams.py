@@ -67,7 +67,13 @@ streams, the default, and a high-priority one, :func:`side_priority`), one had t
 the other none, the default-priority one in one process and the high-priority one in another,
 and in some processes both had it (``side-stream-priority-h100-641e14a.txt``,
 ``side-stream-priority-h100-e4859e1.txt``).  The bench matrix times both
-(``sync.high_vs_default_priority_ratio``).
+(``sync.high_vs_default_priority_ratio``).  It is not the driver's hardware work queues that
+streams share (8 unless ``CUDA_DEVICE_MAX_CONNECTIONS`` is set): with one queue the side stream
+still ran beside the current one (``side-stream-queues-h100-e9a5d2a.txt``), and with 32 neither
+side stream gained more consistently than with 8 (``side-connections-h100-385ef91.txt``).  The
+matrix at 385ef91 on an H100 (``bench-matrix-h100-385ef91.json``): side over current stream
+0.988x / 1.002x / 0.986x / 0.989x, high over default priority 1.017x / 1.005x / 1.020x / 1.019x,
+``"auto"`` choosing the side stream on all but bf16 + channels_last.
 
 The stream switching itself is done by the extension (``csrc/side_stream.h``), a few
 microseconds per layer: a Python stream switch per layer cost more host time than the
