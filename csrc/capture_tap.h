@@ -27,9 +27,10 @@
 // (autograd.grad, or backward(inputs=...), without the bias) s is summed from the node's
 // output gradient instead, as the ordinary tap sums it.  That hook belongs to this one
 // call of the norm (a node per forward), so two forwards before one backward add two
-// pairs, as the tensor hooks do.  Where its bias gradient becomes the bias's .grad untouched,
-// the hook only notes the call, and the end of the backward computes every such norm's
-// statistics in one launch (deferred_norms.h).
+// pairs, as the tensor hooks do.  In a plain backward, where its bias gradient goes to the
+// bias's AccumulateGrad alone and unhooked, the hook only notes the call (keeping that
+// gradient's memory), and the end of the backward computes every such norm's statistics in
+// one launch (deferred_norms.h).
 // Where the output is not such a node's (SyncBatchNorm, GroupNorm, RMSNorm, a norm whose
 // bias is frozen or absent), tap() registers the ordinary tap.
 #pragma once

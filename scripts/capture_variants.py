@@ -39,9 +39,9 @@ from typing import Callable, Optional
 import torch
 
 from lightning_cafin.bench.matrix import NEVER, Trainer, adafisher, capture_step_at_high_priority, capture_step_on
-from lightning_cafin.capture import taps
 from lightning_cafin.bench.timing import diff, elapsed_ms, interleaved, paired, ratio, spread, spread_text
 from lightning_cafin.bench.workloads import Workload, print_reports, script_arguments
+from lightning_cafin.capture import taps
 
 #: the script's counts: flag -> (default, help)
 COUNTS = {"steps": (20, "rounds of a normal step and one capture step of each variant")}

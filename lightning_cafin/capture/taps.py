@@ -16,10 +16,10 @@ no statistics op: its plan registers a post hook on the norm's backward node, wh
 the input's sums from the means the norm saved and the gradient's from the bias gradient
 the node returns (``csrc/capture_tap.h``); neither the activation nor the gradient is read
 again.  In a plain ``backward()`` the hook only notes the call where its bias gradient
-reaches the bias's ``.grad`` unchanged, keeping that gradient's memory, and autograd's final
-callback computes every such norm's statistics in one launch from those gradients, whatever
-became of ``.grad`` meanwhile (``csrc/deferred_norms.h``); :func:`deferred_norms` turns that
-off for an A/B.
+goes to the bias's gradient accumulator alone and unhooked, keeping that gradient's memory,
+and autograd's final callback computes every such norm's statistics in one launch from
+those gradients, whatever became of ``.grad`` meanwhile (``csrc/deferred_norms.h``);
+:func:`deferred_norms` turns that off for an A/B.
 
 Taken only where the rule describes the statistics as that one call (a ``FusedStats`` for
 the shapes) on tensors the kernels take.  Where the input must be read in the forward (a
