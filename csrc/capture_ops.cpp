@@ -421,10 +421,11 @@ void launch(const ChannelPlan& p, float* out, float* ws, cudaStream_t stream) {
 // One op on its own: the output, and the workspace (the stream's scratch).
 template <typename Plan>
 at::Tensor run_alone(const Plan& p, int64_t n_ws, const at::Tensor& like) {
-  at::Tensor out = result_floats(p.n_out, like);
+  const OpStream on = OpStream::current(like);
+  at::Tensor out = result_floats(p.n_out, like, on);
   if (p.zeros) return out.zero_();
-  at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, like) : at::Tensor();
-  launch(p, out.data_ptr<float>(), n_ws > 0 ? ws.data_ptr<float>() : nullptr, current_stream(like));
+  at::Tensor ws = n_ws > 0 ? scratch_floats(n_ws, like, on) : at::Tensor();
+  launch(p, out.data_ptr<float>(), n_ws > 0 ? ws.data_ptr<float>() : nullptr, on.stream);
   return out;
 }
 
@@ -568,13 +569,14 @@ std::tuple<at::Tensor, at::Tensor> layer_stats_impl(const at::Tensor& x, const a
   const int64_t nh = ip.n_out(), wh = ip.n_ws();
   const bool h_zeros = ip.zeros();
   const int64_t off_s = aligned(nh), n_ws = aligned(wh) + pg.n_ws;
-  const cudaStream_t stream = current_stream(x);
+  const OpStream on = OpStream::current(x);
+  const cudaStream_t stream = on.stream;
   const bool pair = !conv && !h_zeros && !pg.zeros;
   // a deferred pair's partials live until their finish: a slice of the results block, not
   // the scratch that the stream's next op reuses
-  const bool defer_pair = defer && pair && n_ws > 0 && !stream_capturing(stream);
-  at::Tensor out = result_floats(off_s + pg.n_out, x);  // [h | s]
-  at::Tensor ws = n_ws > 0 ? (defer_pair ? result_floats(n_ws, x) : scratch_floats(n_ws, x))
+  const bool defer_pair = defer && pair && n_ws > 0 && !on.capturing;
+  at::Tensor out = result_floats(off_s + pg.n_out, x, on);  // [h | s]
+  at::Tensor ws = n_ws > 0 ? (defer_pair ? result_floats(n_ws, x, on) : scratch_floats(n_ws, x, on))
                            : at::Tensor();  // [h's workspace | s's]
   float* o = out.data_ptr<float>();
   float* w = n_ws > 0 ? ws.data_ptr<float>() : nullptr;

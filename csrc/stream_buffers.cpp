@@ -59,6 +59,11 @@ cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
+OpStream OpStream::current(const at::Tensor& like) {
+  const cudaStream_t stream = current_stream(like);
+  return {stream, stream_capturing(stream)};
+}
+
 at::Tensor new_f32(int64_t n, const at::Tensor& like) {
   return at::Tensor(at::detail::empty_cuda({n}, at::kFloat, like.device(), at::MemoryFormat::Contiguous));
 }
@@ -72,11 +77,14 @@ at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n) {
 }
 
 at::Tensor result_floats(int64_t n, const at::Tensor& like) {
-  const cudaStream_t stream = current_stream(like);
-  if (n > kOwnBlockAbove || stream_capturing(stream)) return new_f32(n, like);
+  return result_floats(n, like, OpStream::current(like));
+}
+
+at::Tensor result_floats(int64_t n, const at::Tensor& like, const OpStream& on) {
+  if (n > kOwnBlockAbove || on.capturing) return new_f32(n, like);
   const int64_t take = aligned(n);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
-  StreamBuffers& b = buffers_of(like, stream);
+  StreamBuffers& b = buffers_of(like, on.stream);
   if (!b.results.defined() || b.results_used + take > b.results.numel()) {
     // the full block is dropped here: its slices hold it until the step has read them
     b.results = new_f32(kBlockFloats, like);
@@ -88,10 +96,13 @@ at::Tensor result_floats(int64_t n, const at::Tensor& like) {
 }
 
 at::Tensor scratch_floats(int64_t n, const at::Tensor& like) {
-  const cudaStream_t stream = current_stream(like);
-  if (n > kScratchKeptFloats || stream_capturing(stream)) return new_f32(n, like);
+  return scratch_floats(n, like, OpStream::current(like));
+}
+
+at::Tensor scratch_floats(int64_t n, const at::Tensor& like, const OpStream& on) {
+  if (n > kScratchKeptFloats || on.capturing) return new_f32(n, like);
   const std::lock_guard<std::mutex> lock(buffers_mutex());
-  StreamBuffers& b = buffers_of(like, stream);
+  StreamBuffers& b = buffers_of(like, on.stream);
   // (a smaller buffer dropped here is freed in stream order, after the launches that used it)
   if (!b.scratch.defined() || b.scratch.numel() < n) b.scratch = new_f32(std::max(n, int64_t{4096}), like);
   return b.scratch;

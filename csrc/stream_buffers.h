@@ -50,14 +50,29 @@ at::Tensor new_f32(int64_t n, const at::Tensor& like);
 // (narrow without its dispatch).  Not an autograd view: no statistic needs a gradient.
 at::Tensor part_of(const at::Tensor& buffer, int64_t offset, int64_t n);
 
-// n floats for results that live until the step reads them, on like's device and the
-// current stream: a 256-byte aligned slice of that stream's results block.
-at::Tensor result_floats(int64_t n, const at::Tensor& like);
+// The stream an op runs on (the current stream of its tensors' device) and whether it is
+// being captured into a CUDA graph, asked once per op: a statistics op asked the driver up
+// to three times (its results, its workspace, whether its sums may be deferred), 167 calls
+// and about 0.1 ms of a profiled ResNet-50 capture step's backward
+// (docs/results/profile-capture-resnet50-h100-385ef91.txt).  Valid while that stream stays
+// current and its capture state unchanged: within one op.
+struct OpStream {
+  cudaStream_t stream;
+  bool capturing;
+  static OpStream current(const at::Tensor& like);
+};
 
-// At least n floats of workspace for the launches of one op on the current stream, which
-// must be made before the next call on that stream.  The tensor holds the memory: keep it
-// until those launches are made.
+// n floats for results that live until the step reads them, on like's device and the
+// current stream (`on`, where the op has asked already): a 256-byte aligned slice of that
+// stream's results block.
+at::Tensor result_floats(int64_t n, const at::Tensor& like);
+at::Tensor result_floats(int64_t n, const at::Tensor& like, const OpStream& on);
+
+// At least n floats of workspace for the launches of one op on the current stream (`on`, as
+// above), which must be made before the next call on that stream.  The tensor holds the
+// memory: keep it until those launches are made.
 at::Tensor scratch_floats(int64_t n, const at::Tensor& like);
+at::Tensor scratch_floats(int64_t n, const at::Tensor& like, const OpStream& on);
 
 // n zeroed counter slots for the kernels' last-block reductions (capture_launch.h), from
 // the current stream's pool: a launch's last blocks reset the slots they used and launches
