@@ -46,3 +46,14 @@ def test_a_call_broken_down_counts_each_op_per_call_and_its_time():
 ])
 def test_kernel_names_lose_their_signature_and_namespaces_but_not_their_template_arguments(name, short):
     assert kernel_name(name) == short
+
+
+def test_each_round_runs_every_call_untimed_first_and_rotates_the_timed_order():
+    """The device's pause between profiled rounds slowed the call timed first (device_us_per_call's
+    docstring): each round runs every call untimed before the timed ranges, and the timed order
+    rotates, so that no call is always the one timed first."""
+    seen: list[str] = []
+    row = [lambda name=name: seen.append(name) for name in "abc"]
+    device_us_per_call([row], CPU, 1, 3)
+    untimed = list("abc")
+    assert seen == list("abc") + untimed + list("abc") + untimed + list("bca") + untimed + list("cab")

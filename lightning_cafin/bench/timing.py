@@ -193,20 +193,30 @@ def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.de
     kernels each call launches (``torch.profiler``, summed under a ``record_function`` range
     around ``reps`` calls), so that neither the host's launch rate nor the gaps between
     launches count; on a CPU (a smoke run) the host time of the range.  One profiled pass over
-    every call per round, ``rounds`` rounds (interleaved)."""
+    every call per round, ``rounds`` rounds (interleaved), the order rotated each round.
+
+    Each round first runs every call ``reps`` times untimed, inside the profiler: the device
+    comes out of the pause between rounds (the profiler's own processing) slower.  Without
+    that pass, on one H100, the call timed first in a round took 10% longer than the same call
+    timed after 40 ms of other work (the GPT's optimizer step 1189.5 against 1081.5 us,
+    ``docs/results/step-first-in-round-h100-a1abb70.txt``)."""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     samples: dict[tuple[int, int], list[float]] = {}
+    order = [(i, j) for i, row in enumerate(calls) for j in range(len(row))]
     for row in calls:  # (a warm-up call each: first launches, allocator)
         for fn in row:
             fn()
-    for _ in range(rounds):
+    for r in range(rounds):
         with profile(activities=activities) as prof:
-            for i, row in enumerate(calls):
-                for j, fn in enumerate(row):
-                    with record_function(f"device_us_per_call/{i}/{j}"):
-                        for _ in range(reps):
-                            fn()
+            for i, j in order:  # (untimed: the device back at speed)
+                for _ in range(reps):
+                    calls[i][j]()
+            shift = r % len(order) if order else 0
+            for i, j in order[shift:] + order[:shift]:
+                with record_function(f"device_us_per_call/{i}/{j}"):
+                    for _ in range(reps):
+                        calls[i][j]()
             if on_gpu:
                 torch.cuda.synchronize(device)
         for e in prof.events():
