@@ -199,7 +199,8 @@ def device_us_per_call(calls: list[list[Callable[[], object]]], device: torch.de
     comes out of the pause between rounds (the profiler's own processing) slower.  Without
     that pass, on one H100, the call timed first in a round took 10% longer than the same call
     timed after 40 ms of other work (the GPT's optimizer step 1189.5 against 1081.5 us,
-    ``docs/results/step-first-in-round-h100-a1abb70.txt``)."""
+    ``docs/results/step-first-in-round-h100-a1abb70.txt``).  (Why the device is slower then,
+    its clocks or the profiler's start, was not measured; nor, yet, this pass's effect on a GPU.)"""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     samples: dict[tuple[int, int], list[float]] = {}
