@@ -198,4 +198,3 @@ def test_gpu_side_study_runs_the_tests_the_variants_per_workload_and_step_gaps_p
     calls, printed = run("out2", SIDE_PROCESSES="0", SIDE_CONNECTIONS="default 32")
     assert calls[2:] == [f"{v} (unset)" for v in variants] + [f"{v} (32)" for v in variants]
     assert printed[1:] == lines + [f"connections 32: {line}" for line in lines]
-
